@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    policy: str = "prefill_first"
+    role: str = "both"
+    chunk_tokens: int = 512
+    block_size: int = 16
+    kv_cache_tokens: int = 16384
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but torch sees no CUDA device")
+        if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
+            raise ValueError("need block_size >= 1 and kv_cache_tokens >= block_size")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size

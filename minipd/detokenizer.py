@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back bytes of a multi-byte
+    character until it is complete (the prefix/read-offset method of TGI and vLLM)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        self.token_ids += token_ids
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)  # noqa: E731
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = decode(self.token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return full[len(prefix) :]
+        return ""
+
+
+class TextStream:
+    """Detokenizes one request's output and applies its stop strings. While streaming it holds
+    back the few characters that could still become a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.stop = stop
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.emitted = 0
+        self.stopped = False
+
+    def push(self, token_ids: list[int], final: bool = False) -> str:
+        """Returns the text that may be shown now. Sets .stopped when a stop string appears."""
+        if self.stopped:
+            return ""
+        delta = self.detokenizer.push(token_ids)
+        start = max(0, len(self.text) - self.hold)
+        self.text += delta
+        for s in self.stop:
+            at = self.text.find(s, start)
+            if at != -1:
+                self.text = self.text[:at]
+                self.stopped = True
+        end = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self.hold)
+        out = self.text[self.emitted : end]
+        self.emitted = end
+        return out

@@ -1,0 +1,147 @@
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minipd.config import EngineConfig
+from minipd.engine.block_manager import BlockManager, blocks_for
+from minipd.engine.handoff import KVHandoff
+from minipd.engine.model_runner import ModelRunner
+from minipd.engine.scheduler import Scheduler, SchedulerConfig
+from minipd.engine.sequence import Sequence, SequenceStatus
+from minipd.models.loader import load_model
+from minipd.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    handoff: bool = False  # prefill role: first token made, KV ready to export
+
+
+@dataclass(slots=True)
+class StepStats:
+    duration: float = 0.0
+    num_prefill_tokens: int = 0
+    num_decode_seqs: int = 0
+    num_preempted: int = 0
+    started_at: float = 0.0
+    prefilling: list[str] = field(default_factory=list)
+
+
+class Engine:
+    """schedule() -> run() -> postprocess(): one step of continuous batching."""
+
+    def __init__(self, config: EngineConfig, model=None):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.model = model if model is not None else load_model(config.model, config.torch_dtype, config.device)
+        mcfg = self.model.config
+        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        max_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                policy=config.policy, role=config.role, chunk_tokens=config.chunk_tokens,
+                max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_len, eos_token_ids=tuple(mcfg.eos_token_ids),
+            ),
+            self.blocks,
+        )  # fmt: skip
+        self.runner = ModelRunner(self.model, config.num_blocks, config.block_size)
+        self.last_step = StepStats()
+
+    # ---- requests ----------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self.scheduler.find(request_id) is not None:
+            raise ValueError(f"request id {request_id!r} is already in this engine")
+        vocab = self.model.config.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self.scheduler.add(Sequence.new(request_id, prompt_token_ids, params))
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[StepOutput]:
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        stats = StepStats(started_at=started, num_preempted=len(batch.preempted))
+        if batch.is_empty:
+            self.last_step = stats
+            return []
+        before = {id(s): s.num_output_tokens for s in batch.seqs}
+        sampled = self.runner.run(batch)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if seq.in_prefill or n > 1 or seq.num_computed_tokens == 0:
+                stats.num_prefill_tokens += n
+                stats.prefilling.append(seq.request_id)
+            else:
+                stats.num_decode_seqs += 1
+        left = {id(s) for s in self.scheduler.postprocess(batch, sampled)}
+        outputs = []
+        for seq, token in zip(batch.seqs, sampled):
+            if token is None:
+                continue
+            new = seq.output_token_ids[before[id(seq)] :]
+            outputs.append(
+                StepOutput(
+                    seq.request_id, new, finished=seq.is_finished, finish_reason=seq.finish_reason,
+                    handoff=id(seq) in left and seq.status is SequenceStatus.HANDOFF,
+                )
+            )  # fmt: skip
+        stats.duration = time.perf_counter() - started
+        self.last_step = stats
+        return outputs
+
+    # ---- settings that change at run time ---------------------------------------------
+    def set_policy(self, policy: str, chunk_tokens: int | None = None) -> None:
+        cfg = self.scheduler.config
+        cfg.policy = policy
+        if chunk_tokens:
+            cfg.chunk_tokens = chunk_tokens
+        cfg.__post_init__()
+
+    def set_role(self, role: str) -> None:
+        if self.scheduler.num_unfinished or self.scheduler.handoffs:
+            raise RuntimeError("change the role only when the engine is drained")
+        self.scheduler.config.role = role
+        self.scheduler.config.__post_init__()
+
+    # ---- KV handoff ----------------------------------------------------------------
+    def export_handoff(self, request_id: str) -> KVHandoff:
+        seq = self.scheduler.handoffs[request_id]
+        kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens)
+        return KVHandoff.from_sequence(seq, kv)
+
+    def release_handoff(self, request_id: str) -> None:
+        self.scheduler.release_handoff(request_id)
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.blocks.block_size)
+
+    def reserve_seat(self, request_id: str, num_tokens: int) -> bool:
+        """Decode side: set aside room for a request's prompt KV plus its first decode step."""
+        return self.blocks.reserve(request_id, self.blocks_for_tokens(num_tokens + 1))
+
+    def import_handoff(self, handoff: KVHandoff) -> None:
+        seq = handoff.to_sequence()
+        need = self.blocks_for_tokens(seq.num_computed_tokens)
+        seq.block_table = self.blocks.allocate(need, reservation=seq.request_id)
+        self.blocks.release(seq.request_id)
+        self.runner.import_kv(seq.block_table, handoff.kv)
+        self.scheduler.add_imported(seq)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import torch
+
+from minipd.engine.sampler import sample
+from minipd.engine.scheduler import ScheduledBatch
+from minipd.models.attention import AttentionMetadata, PrefillSpan
+from minipd.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    """Owns the weights and the paged KV cache; turns a scheduled batch into sampled tokens."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # (K/V, layer, slot, kv_head, head_dim); slot = block * block_size + offset
+        self.kv_cache = torch.zeros(
+            2, cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int | None]:
+        order = sorted(range(len(batch.seqs)), key=lambda i: not self._is_decode(batch, i))
+        seqs = [batch.seqs[i] for i in order]
+        counts = [batch.num_new_tokens[i] for i in order]
+        samples = batch.samples()
+        samples = [samples[i] for i in order]
+
+        input_ids, positions, slots, logits_rows = [], [], [], []
+        for seq, n, wants in zip(seqs, counts, samples):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + n]
+            pos = range(start, start + n)
+            positions += pos
+            slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in pos]
+            if wants:
+                logits_rows.append(len(input_ids) - 1)
+        meta = self._metadata(seqs, counts, slots)
+        tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        logits = self.model(tensor(input_ids), tensor(positions), self.kv_cache, meta, tensor(logits_rows))
+        wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
+        tokens = iter(sample(logits, [p for p, _ in wanted], [i for _, i in wanted])) if wanted else iter(())
+        result: list[int | None] = [None] * len(order)
+        for i, wants in zip(order, samples):
+            result[i] = next(tokens) if wants else None
+        return result
+
+    @staticmethod
+    def _is_decode(batch: ScheduledBatch, i: int) -> bool:
+        return batch.num_new_tokens[i] == 1 and batch.seqs[i].num_computed_tokens > 0
+
+    def _metadata(self, seqs, counts, slots) -> AttentionMetadata:
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
+        num_decodes = sum(1 for s, n in zip(seqs, counts) if n == 1 and s.num_computed_tokens > 0)
+        if num_decodes:
+            ctx = [s.num_computed_tokens + 1 for s in seqs[:num_decodes]]
+            meta.decode_rows = torch.arange(num_decodes, device=self.device)
+            meta.decodes_are_contiguous = True
+            meta.decode_slots = self._context_slots(seqs[:num_decodes], max(ctx))
+            if min(ctx) != max(ctx):
+                lengths = torch.tensor(ctx, device=self.device)
+                mask = torch.arange(max(ctx), device=self.device)[None, :] < lengths[:, None]
+                meta.decode_mask = mask[:, None, None, :]
+        row = num_decodes
+        for seq, n in zip(seqs[num_decodes:], counts[num_decodes:]):
+            ctx = seq.num_computed_tokens + n
+            span = PrefillSpan(start=row, q_len=n, ctx_len=ctx)
+            if ctx > n:
+                span.context_slots = self._context_slots([seq], ctx)[0]
+                q_pos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
+                span.mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos
+            meta.prefills.append(span)
+            row += n
+        return meta
+
+    def _context_slots(self, seqs, length: int) -> torch.Tensor:
+        """(B, length) cache slots of positions 0..length-1; positions past a table's end read slot 0."""
+        bs = self.block_size
+        width = -(-length // bs)
+        tables = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            bt = s.block_table[:width]
+            tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
+        pos = torch.arange(length)
+        return (tables[:, pos // bs] * bs + pos % bs).to(self.device)
+
+    def slots_of(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        pos = torch.arange(num_tokens)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
+
+    def export_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """(2, layers, num_tokens, kv_heads, head_dim): exactly the KV of the first num_tokens."""
+        return self.kv_cache[:, :, self.slots_of(block_table, num_tokens)]
+
+    def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        slots = self.slots_of(block_table, kv.shape[2])
+        self.kv_cache[:, :, slots] = kv.to(device=self.device, dtype=self.dtype)

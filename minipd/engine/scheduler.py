@@ -1,0 +1,249 @@
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minipd.engine.block_manager import BlockManager, blocks_for
+from minipd.engine.sequence import Sequence, SequenceStatus
+
+POLICIES = ("prefill_first", "chunked")
+ROLES = ("both", "prefill", "decode")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    policy: str = "prefill_first"
+    role: str = "both"
+    chunk_tokens: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.chunk_tokens < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("chunk_tokens, max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self) -> list[bool]:
+        """Which sequences reach the end of their known tokens this step, and so sample one."""
+        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+
+
+class Scheduler:
+    """Continuous batching with one accounting model: num_computed_tokens catches up with
+    num_tokens. Policies only decide how many tokens each request gets this step."""
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.handoffs: dict[str, Sequence] = {}
+
+    # ---- admission -------------------------------------------------------------
+    def check_admissible(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
+        limit = self.config.max_model_len
+        if num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; this model's context is {limit} tokens"
+            )
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if num_prompt_tokens + 1 > capacity:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens; the KV cache holds {capacity} tokens"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        self.check_admissible(seq.num_prompt_tokens)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_imported(self, seq: Sequence) -> None:
+        """Decode side of a handoff: KV for the prompt is already in seq.block_table."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return self.handoffs.get(request_id)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        self.blocks.release(request_id)
+        seq = self.find(request_id)
+        if seq is None:
+            return None
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        else:
+            del self.handoffs[request_id]
+        self._finish(seq, "abort")
+        return seq
+
+    def release_handoff(self, request_id: str) -> None:
+        seq = self.handoffs.pop(request_id)
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "handoff"
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling ------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        if self.config.policy == "chunked":
+            return self._schedule_chunked()
+        return self._schedule_prefill_first()
+
+    def _schedule_prefill_first(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        token_cap = self.config.max_num_batched_tokens
+        for seq in [s for s in self.running if s.in_prefill]:
+            if batch.seqs and batch.num_tokens + seq.num_uncomputed_tokens > token_cap:
+                break
+            if self._grow(seq, seq.num_uncomputed_tokens, batch):
+                batch.add(seq, seq.num_uncomputed_tokens)
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = seq.num_uncomputed_tokens
+            if batch.seqs and batch.num_tokens + n > token_cap:
+                break
+            if not self._admit(seq, n):
+                break
+            batch.add(seq, n)
+        if batch.seqs:
+            return batch
+        for seq in list(self.running):
+            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
+                batch.add(seq, 1)
+        return batch
+
+    def _schedule_chunked(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.chunk_tokens
+        decodes = [s for s in self.running if not s.in_prefill]
+        prefills = [s for s in self.running if s.in_prefill]
+        for seq in decodes + prefills:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._grow(seq, n, batch):
+                batch.add(seq, n)
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._admit(seq, n):
+                break
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
+    def _admit(self, seq: Sequence, n: int) -> bool:
+        need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
+        if not self.blocks.can_allocate(need):
+            return False
+        self.waiting.popleft()
+        seq.block_table += self.blocks.allocate(need)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """Make room for n more tokens of a running seq, preempting the newest others if needed.
+        Returns False if seq itself had to be preempted."""
+        need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
+        while not self.blocks.can_allocate(need):
+            victim = self.running[-1]
+            if victim in batch.seqs:
+                return False  # everyone left is already in this step; try again next step
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_table += self.blocks.allocate(need)
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    # ---- after the model ran ------------------------------------------------------
+    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
+        """Advance accounting; append sampled tokens. Returns sequences that left the running set
+        this step (finished, or handed off in the prefill role)."""
+        done = []
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
+            seq.num_computed_tokens += n
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                done.append(seq)
+            elif self.config.role == "prefill":
+                self.running.remove(seq)
+                seq.status = SequenceStatus.HANDOFF
+                self.handoffs[seq.request_id] = seq
+                done.append(seq)
+        return done
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.config.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= min(
+            self.config.max_model_len, capacity
+        ):
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.blocks.free(seq.block_table)
+            seq.block_table = []

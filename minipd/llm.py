@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from minipd.config import EngineConfig
+from minipd.detokenizer import TextStream
+from minipd.engine.engine import Engine
+from minipd.models.loader import load_tokenizer
+from minipd.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    """Offline batch inference, shaped like vLLM's `LLM`."""
+
+    def __init__(self, model: str | None = None, dtype: str = "float32", policy: str = "prefill_first",
+                 chunk_tokens: int = 512, **engine_kwargs):  # fmt: skip
+        self.config = EngineConfig(model=model, dtype=dtype, policy=policy, chunk_tokens=chunk_tokens, **engine_kwargs)
+        self.engine = Engine(self.config)
+        self.tokenizer = load_tokenizer(model)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        token_lists = [self._encode(p) for p in prompts]
+        return self._run(token_lists, params)
+
+    def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(token_lists, params) if len(token_lists) > 1 else self.generate([token_lists[0]], params)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        self._need_tokenizer()
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            self._need_tokenizer()
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+
+    def _run(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        streams: dict[str, TextStream | None] = {}
+        order = []
+        for ids, p in zip(token_lists, params):
+            rid = str(next(self._ids))
+            self.engine.add_request(rid, ids, p)
+            results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None)])
+            streams[rid] = TextStream(self.tokenizer, p.stop) if self.tokenizer else None
+            order.append(rid)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                comp = results[out.request_id].outputs[0]
+                comp.token_ids += out.new_token_ids
+                stream = streams[out.request_id]
+                if stream is not None:
+                    comp.text += stream.push(out.new_token_ids, final=out.finished)
+                    if stream.stopped and not out.finished:
+                        self.engine.abort_request(out.request_id)
+                        comp.finish_reason = "stop"
+                        continue
+                if out.finished:
+                    comp.finish_reason = out.finish_reason
+        return [results[r] for r in order]

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Tokens [start, start + q_len) of the flat batch belong to one sequence whose context
+    (cached prefix + these tokens) has ctx_len tokens."""
+
+    start: int
+    q_len: int
+    ctx_len: int
+    context_slots: torch.Tensor | None = None  # (ctx_len,) when there is a cached prefix
+    mask: torch.Tensor | None = None  # (q_len, ctx_len) bool, causal with the prefix offset
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step, read by every layer."""
+
+    slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
+    decode_rows: torch.Tensor | None = None  # (B,) rows of the flat batch that are decodes
+    decode_slots: torch.Tensor | None = None  # (B, Lmax) context slots per decode, padded
+    decode_mask: torch.Tensor | None = None  # (B, 1, 1, Lmax) or None if all have Lmax
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    decodes_are_contiguous: bool = False  # decode rows are exactly 0..B-1
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, Hq, D)
+    k: torch.Tensor,  # (T, Hkv, D)
+    v: torch.Tensor,  # (T, Hkv, D)
+    k_cache: torch.Tensor,  # (slots, Hkv, D)
+    v_cache: torch.Tensor,  # (slots, Hkv, D)
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # (T, Hq * D)
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    T, Hq, D = q.shape
+    out = q.new_empty(T, Hq, D)
+    if meta.decode_rows is not None:
+        qd = q[meta.decode_rows] if not meta.decodes_are_contiguous else q[: len(meta.decode_rows)]
+        kd = k_cache[meta.decode_slots].transpose(1, 2)  # (B, Hkv, L, D)
+        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        od = F.scaled_dot_product_attention(
+            qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
+        )  # (B, Hq, 1, D)
+        out[meta.decode_rows] = od.squeeze(2)
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.q_len)
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, Hq, q, D)
+        if span.context_slots is None:
+            kp, vp = k[rows], v[rows]
+        else:
+            kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+        kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        op = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True
+        )
+        out[rows] = op.squeeze(0).transpose(0, 1)
+    return out.view(T, Hq * D)

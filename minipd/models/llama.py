@@ -1,0 +1,131 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipd.models.attention import AttentionMetadata, paged_attention
+from minipd.models.config import ModelConfig
+from minipd.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family decoder over a flat batch of tokens from many sequences (no padding)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (2, layers, slots, Hkv, D)
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,  # (S,) rows whose next-token logits are wanted
+    ) -> torch.Tensor:  # (S, vocab)
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, kv_cache[0, i], kv_cache[1, i], meta)
+        return self.lm_head(self.norm(x[logits_rows]))
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face Llama-layout tensors, fusing q/k/v and gate/up."""
+        w = {k.removeprefix("model."): v for k, v in weights.items()}
+        own = dict(self.named_parameters())
+        loaded = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = own[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+
+        put("embed_tokens.weight", w["embed_tokens.weight"])
+        put("norm.weight", w["norm.weight"])
+        for i in range(self.config.num_layers):
+            p = f"layers.{i}."
+            for part in ("weight", "bias"):
+                qkv = [w.get(f"{p}self_attn.{x}_proj.{part}") for x in "qkv"]
+                if qkv[0] is not None:
+                    put(f"{p}self_attn.qkv_proj.{part}", torch.cat(qkv))
+            put(f"{p}self_attn.o_proj.weight", w[f"{p}self_attn.o_proj.weight"])
+            gate, up = w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]
+            put(f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up]))
+            put(f"{p}mlp.down_proj.weight", w[f"{p}mlp.down_proj.weight"])
+            put(f"{p}input_layernorm.weight", w[f"{p}input_layernorm.weight"])
+            put(f"{p}post_attention_layernorm.weight", w[f"{p}post_attention_layernorm.weight"])
+        if not self.config.tie_word_embeddings:
+            put("lm_head.weight", w["lm_head.weight"])
+        missing = set(own) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        if missing:
+            raise ValueError(f"checkpoint lacks {sorted(missing)[:5]}")

@@ -1,0 +1,24 @@
+"""Shared test helpers: run requests through an engine with staggered arrivals."""
+
+from __future__ import annotations
+
+from minipd.engine.engine import Engine
+from minipd.sampling_params import SamplingParams
+
+
+def run_staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams, join_every: int = 3,
+                  check=None) -> list[list[int]]:  # fmt: skip
+    """Add one prompt every `join_every` steps, so later ones join while earlier ones decode."""
+    outputs = {str(i): [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % join_every == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            outputs[out.request_id] += out.new_token_ids
+        if check:
+            check(engine)
+        step += 1
+    return [outputs[str(i)] for i in range(len(prompts))]
