@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache size per worker, in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def cmd_generate(args) -> int:
+    from minipd import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.raw:
+        out = llm.generate(args.prompt, params)[0]
+    else:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minipd")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="answer one prompt offline and exit")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    try:
+        from minipd.server.cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub, add_engine_args)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Engine behaviour on a tiny random-weight Llama (fast)."""
+
+import random
+
+import pytest
+import torch
+
+from minipd.engine.sampler import sample
+from minipd.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.helpers import run_staggered
+
+
+def prompts(n=6, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randint(3, 4000) for _ in range(rng.randint(3, 70))] for _ in range(n)]
+
+
+def reference(tiny_model, ps, params):
+    """Each prompt alone, prefilled whole: the plainest way to run it."""
+    outs = []
+    for p in ps:
+        e = make_engine(tiny_model)
+        outs += run_staggered(e, [p], params)
+    return outs
+
+
+@pytest.mark.parametrize("policy,chunk", [("prefill_first", 512), ("chunked", 1), ("chunked", 5), ("chunked", 32)])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_equals_one_at_a_time(tiny_model, policy, chunk, temperature):
+    params = SamplingParams(max_tokens=12, temperature=temperature, seed=123, ignore_eos=True)
+    ps = prompts()
+    engine = make_engine(tiny_model, policy=policy, chunk_tokens=chunk)
+    got = run_staggered(engine, ps, params, join_every=2, check=lambda e: e.blocks.check_integrity())
+    assert got == reference(tiny_model, ps, params)
+    assert engine.blocks.num_used == 0
+
+
+def test_preemption_under_a_small_kv_cache_gives_the_same_tokens(tiny_model):
+    params = SamplingParams(max_tokens=20, temperature=0.7, seed=5, ignore_eos=True)
+    ps = prompts(5, seed=1)
+    engine = make_engine(tiny_model, kv_cache_tokens=160, block_size=8)
+    preempted = []
+
+    def watch(e):
+        preempted.append(e.last_step.num_preempted)
+        e.blocks.check_integrity()
+
+    got = run_staggered(engine, ps, params, join_every=1, check=watch)
+    assert sum(preempted) > 0, "the cache was meant to be too small for everyone at once"
+    assert got == reference(tiny_model, ps, params)
+    assert engine.blocks.num_used == 0
+
+
+def test_seeded_sampling_survives_the_handoff(tiny_model):
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    ps = prompts(4, seed=2)
+    expected = reference(tiny_model, ps, params)
+    prefill, decode = make_engine(tiny_model, role="prefill"), make_engine(tiny_model, role="decode")
+    outs = {str(i): [] for i in range(len(ps))}
+    for i, p in enumerate(ps):
+        prefill.add_request(str(i), p, params)
+    while prefill.has_unfinished() or decode.has_unfinished():
+        for o in prefill.step():
+            outs[o.request_id] += o.new_token_ids
+            if o.handoff:
+                h = prefill.export_handoff(o.request_id)
+                assert decode.reserve_seat(o.request_id, h.meta.num_computed_tokens)
+                decode.import_handoff(h)
+                prefill.release_handoff(o.request_id)
+        for o in decode.step():
+            outs[o.request_id] += o.new_token_ids
+    assert [outs[str(i)] for i in range(len(ps))] == expected
+
+
+def test_abort_mid_decode_frees_everything(tiny_model):
+    engine = make_engine(tiny_model)
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", [5, 6, 7, 8], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.abort_request("a") and not engine.abort_request("a")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.blocks.num_used == 0
+
+
+def test_bad_requests_are_refused(tiny_model):
+    engine = make_engine(tiny_model, kv_cache_tokens=64)
+    with pytest.raises(ValueError):
+        engine.add_request("x", [], SamplingParams())
+    with pytest.raises(ValueError):
+        engine.add_request("x", [10**9], SamplingParams())
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request("x", list(range(3, 100)), SamplingParams())
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=1.5)
+
+
+def test_sampler_top_k_one_is_greedy_and_seeds_reproduce():
+    logits = torch.randn(3, 100)
+    greedy = logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(temperature=1.0, top_k=1)] * 3, [0, 0, 0]) == greedy
+    p = SamplingParams(temperature=1.0, seed=42)
+    a = sample(logits, [p] * 3, [0, 1, 2])
+    assert a == sample(logits, [p] * 3, [0, 1, 2])
+    draws = {tuple(sample(logits, [SamplingParams(temperature=1.0, seed=s)] * 3, [0, 0, 0])) for s in range(20)}
+    assert len(draws) > 1
+
+
+def test_sampler_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05]]))
+    seen = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=s)], [0])[0] for s in range(50)}
+    assert seen == {0}
+    seen = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.85, seed=s)], [0])[0] for s in range(200)}
+    assert seen == {0, 1}

