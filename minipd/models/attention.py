@@ -44,8 +44,8 @@ def paged_attention(
     out = q.new_empty(T, Hq, D)
     if meta.decode_rows is not None:
         qd = q[meta.decode_rows] if not meta.decodes_are_contiguous else q[: len(meta.decode_rows)]
-        kd = k_cache[meta.decode_slots].transpose(1, 2)  # (B, Hkv, L, D)
-        vd = v_cache[meta.decode_slots].transpose(1, 2)
+        kd = gather(k_cache, meta.decode_slots).transpose(1, 2)  # (B, Hkv, L, D)
+        vd = gather(v_cache, meta.decode_slots).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
         )  # (B, Hq, 1, D)
@@ -56,7 +56,7 @@ def paged_attention(
         if span.context_slots is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = k_cache[span.context_slots], v_cache[span.context_slots]
+            kp, vp = gather(k_cache, span.context_slots), gather(v_cache, span.context_slots)
         kp = kp.transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
         vp = vp.transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
@@ -64,3 +64,8 @@ def paged_attention(
         )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out.view(T, Hq * D)
+
+
+def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for (..., L) slots; index_select is several times faster than indexing on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])

@@ -6,7 +6,7 @@ from torch import nn
 
 from minipd.models.attention import AttentionMetadata, paged_attention
 from minipd.models.config import ModelConfig
-from minipd.models.rope import RotaryEmbedding
+from minipd.models.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -31,13 +31,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
 
 
@@ -61,8 +61,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+    def forward(self, x, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -92,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
         logits_rows: torch.Tensor,  # (S,) rows whose next-token logits are wanted
     ) -> torch.Tensor:  # (S, vocab)
         x = self.embed_tokens(input_ids)
+        rope = self.rope.table(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_cache[0, i], kv_cache[1, i], meta)
+            x = layer(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
         return self.lm_head(self.norm(x[logits_rows]))
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
