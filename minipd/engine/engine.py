@@ -117,9 +117,9 @@ class Engine:
         self.scheduler.config.__post_init__()
 
     # ---- KV handoff ----------------------------------------------------------------
-    def export_handoff(self, request_id: str) -> KVHandoff:
+    def export_handoff(self, request_id: str, out: torch.Tensor | None = None) -> KVHandoff:
         seq = self.scheduler.handoffs[request_id]
-        kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens)
+        kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens, out=out)
         return KVHandoff.from_sequence(seq, kv)
 
     def release_handoff(self, request_id: str) -> None:

@@ -94,9 +94,13 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
-    def export_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """(2, layers, num_tokens, kv_heads, head_dim): exactly the KV of the first num_tokens."""
-        return self.kv_cache[:, :, self.slots_of(block_table, num_tokens)]
+    def export_kv(self, block_table: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(2, layers, num_tokens, kv_heads, head_dim): exactly the KV of the first num_tokens,
+        written into `out` (a shared-memory view, say) when given."""
+        slots = self.slots_of(block_table, num_tokens)
+        if out is None:
+            return self.kv_cache.index_select(2, slots)
+        return torch.index_select(self.kv_cache, 2, slots, out=out)
 
     def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
         slots = self.slots_of(block_table, kv.shape[2])

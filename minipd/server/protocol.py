@@ -1,0 +1,148 @@
+"""OpenAI request parsing and response shapes. Bad input raises ApiError, which becomes a 4xx."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from minipd.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type_, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _number(body: dict, name: str, default, kind=float, low=None, high=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ApiError(f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ApiError(f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    return kind(value)
+
+
+def sampling_params(body: dict, max_tokens_default: int | None, context_left: int) -> SamplingParams:
+    for name in ("n", "best_of"):
+        if body.get(name, 1) not in (1, None):
+            raise ApiError(f"'{name}' other than 1 is not supported", param=name)
+    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+        raise ApiError("logprobs are not supported", param="logprobs")
+    if body.get("echo"):
+        raise ApiError("'echo' is not supported", param="echo")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, low=-2.0, high=2.0) != 0.0:
+            raise ApiError(f"'{name}' other than 0 is not supported", param=name)
+    if _number(body, "repetition_penalty", 1.0, low=0.0, high=10.0) != 1.0:
+        raise ApiError("'repetition_penalty' other than 1.0 is not supported", param="repetition_penalty")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", max_tokens_default, int, low=1)
+    if max_tokens is None or max_tokens > context_left:
+        max_tokens = context_left
+    if max_tokens < 1:
+        raise ApiError("the prompt fills the model's whole context", param="messages")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError("'stop' must be a string or a list of non-empty strings", param="stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        raise ApiError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ApiError("'ignore_eos' must be a boolean", param="ignore_eos")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
+        top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0),
+        top_k=_number(body, "top_k", -1, int, low=-1),
+        seed=_number(body, "seed", None, int),
+        stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+    )  # fmt: skip
+
+
+def stream_options(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise ApiError("'stream_options' must be an object", param="stream_options")
+    return stream, bool(opts.get("include_usage", False))
+
+
+def completion_prompt(body: dict, tokenizer) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("'prompt' must not be empty", param="prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise ApiError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+                   param="prompt")  # fmt: skip
+
+
+def chat_prompt(body: dict, tokenizer) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    clean = []
+    for msg in messages:
+        if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+            raise ApiError("each message needs a 'role' of system, user, assistant or tool", param="messages")
+        content = msg.get("content", "")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError("only text content parts are supported", param="messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise ApiError("message 'content' must be a string", param="messages")
+        role = "system" if msg["role"] == "developer" else msg["role"]
+        clean.append({"role": role, "content": content})
+    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}  # fmt: skip
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}  # fmt: skip
+
+
+def completion_response(rid, model, created, text, finish_reason, use) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}], "usage": use}  # fmt: skip
+
+
+def chat_response(rid, model, created, text, finish_reason, use) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish_reason}], "usage": use}  # fmt: skip
+
+
+def now() -> int:
+    return int(time.time())
