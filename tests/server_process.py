@@ -1,0 +1,91 @@
+"""Starts `python -m minipd serve` as a real subprocess for tests and makes sure it all ends."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 120) -> tuple[int, dict | str]:
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw.decode()
+
+
+class ServerProcess:
+    def __init__(self, *args: str, ready_timeout: float = 240):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "minipd", "serve", "--port", str(self.port), *args]
+        self.log = open(f"/tmp/minipd-test-server-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.output()}")
+            try:
+                if http("GET", self.url + "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        else:
+            self.stop()
+            raise RuntimeError(f"server not ready in time:\n{self.output()}")
+        self.worker_pids = [w["pid"] for w in self.get("/admin/workers")[1]["workers"]]
+
+    def get(self, path: str):
+        return http("GET", self.url + path)
+
+    def post(self, path: str, body):
+        return http("POST", self.url + path, body)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def leftovers(self) -> tuple[list[int], list[str]]:
+        """Worker processes still alive and shared-memory segments still present after stop()."""
+        alive = []
+        for pid in getattr(self, "worker_pids", []):
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split()[2] != "Z":
+                        alive.append(pid)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+        return alive, glob.glob(f"/dev/shm/minipd_{self.proc.pid}_*")

@@ -1,0 +1,224 @@
+"""The real server (main process + worker processes) on the tiny random model."""
+
+import asyncio
+import signal
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from minipd.models.loader import tiny_random_config
+from tests.server_process import ServerProcess, http
+
+pytestmark = pytest.mark.slow
+TINY_KV_BYTES_PER_TOKEN = tiny_random_config().kv_bytes_per_token(4)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1")
+    yield s
+    s.stop()
+    assert s.leftovers() == ([], [])
+
+
+def completion(server, prompt, **kw):
+    status, body = server.post("/v1/completions", {"prompt": prompt, "temperature": 0, **kw})
+    assert status == 200, body
+    return body
+
+
+def test_models_and_health(server):
+    status, body = server.get("/v1/models")
+    assert status == 200 and body["data"][0]["id"] == "tiny-random" and body["data"][0]["root"] == "tiny-random"
+    assert server.get("/health")[0] == 200
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+])  # fmt: skip
+def test_bad_input_gets_a_400_and_the_server_keeps_serving(server, body, param):
+    status, err = http("POST", server.url + "/v1/chat/completions", body)
+    assert status == 400
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["param"] == param
+    assert completion(server, "still alive?", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_unknown_model_and_too_long_prompt(server):
+    status, err = server.post("/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    status, err = server.post("/v1/completions", {"prompt": [5] * 20000})
+    assert status == 400 and "context" in err["error"]["message"]
+
+
+def test_modes_give_the_same_tokens_and_disagg_moves_the_prompts_kv(server):
+    prompts = [[5 + i, 17, 300 + i, 42] * (i + 1) for i in range(4)]
+    texts = {}
+    for mode in ("colocated", "chunked", "disagg", "colocated"):
+        status, got = server.post("/admin/mode", {"mode": mode, "chunk_tokens": 3})
+        assert status == 200 and got["mode"] == mode
+        outs = [completion(server, p, max_tokens=6, ignore_eos=True) for p in prompts]
+        texts.setdefault(mode, [o["choices"][0]["text"] for o in outs])
+        assert [o["choices"][0]["text"] for o in outs] == texts["colocated"]
+        if mode == "disagg":
+            for p, o in zip(prompts, outs):
+                t = server.get(f"/v1/requests/{o['id']}/timeline")[1]
+                assert t["prefill_worker"] != t["decode_worker"]
+                assert t["kv_transfer"]["bytes"] == len(p) * TINY_KV_BYTES_PER_TOKEN
+                assert t["events"]["transfer_start"] <= t["events"]["transfer_end"]
+    workers = server.get("/admin/workers")[1]["workers"]
+    assert all(w["kv_blocks_used"] == 0 and w["kv_blocks_reserved"] == 0 for w in workers)
+
+
+def test_metrics_parse_and_move(server):
+    def counters():
+        text = server.get("/metrics")[1]
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name.endswith(("_total", "_count")):
+                    out[s.name] = out.get(s.name, 0) + s.value
+        return out
+
+    before = counters()
+    completion(server, "count me", max_tokens=3, ignore_eos=True)
+    after = counters()
+    assert after["minipd:generation_tokens_total"] - before.get("minipd:generation_tokens_total", 0) == 3
+    assert after["minipd:time_to_first_token_seconds_count"] > before.get("minipd:time_to_first_token_seconds_count", 0)
+    assert after["minipd:e2e_request_latency_seconds_count"] > before.get("minipd:e2e_request_latency_seconds_count", 0)
+
+
+async def _stream_texts(url, n, **kw):
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none")
+
+    async def one(i):
+        parts, usage = [], None
+        stream = await client.completions.create(model="tiny-random", prompt=f"request number {i}", stream=True,
+                                                 stream_options={"include_usage": True}, temperature=0, **kw)  # fmt: skip
+        async for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+            if chunk.usage:
+                usage = chunk.usage
+        return "".join(parts), usage
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+
+
+def test_openai_client_streams_with_usage(server):
+    results = asyncio.run(_stream_texts(server.url, 6, max_tokens=5, extra_body={"ignore_eos": True}))
+    for text, usage in results:
+        assert usage.completion_tokens == 5 and text
+
+
+def test_client_disconnect_frees_the_blocks(server):
+    async def go():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        stream = await client.completions.create(model="tiny-random", prompt="long one", stream=True,
+                                                 max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 3:
+                break
+        await stream.close()
+        await client.close()
+
+    asyncio.run(go())
+    import time
+
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        workers = server.get("/admin/workers")[1]["workers"]
+        if all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers):
+            break
+        time.sleep(0.2)
+    assert all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers), workers
+
+
+def test_backpressure_waits_for_a_decode_seat():
+    """Decode KV room for 2 requests: the 3rd is not prefilled until a seat frees; all complete."""
+    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
+                      "--kv-cache-tokens", "64", "--block-size", "16")  # fmt: skip
+    try:
+        prompts = [[7 + i] * 30 for i in range(3)]  # 30 prompt tokens + 1 -> 2 blocks of 16: 2 seats fit in 4
+
+        async def go():
+            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none")
+            try:
+                return await asyncio.gather(*(client.completions.create(
+                    model="tiny-random", prompt=p, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+                    for p in prompts))  # fmt: skip
+            finally:
+                await client.close()
+
+        outs = asyncio.run(go())
+        assert all(o.usage.completion_tokens == 2 for o in outs)
+        lines = [s.get(f"/v1/requests/{o.id}/timeline")[1] for o in outs]
+        lines.sort(key=lambda t: t["events"]["prefill_start"])
+        first_finish = min(t["events"]["finish"] for t in lines[:2])
+        assert lines[2]["events"]["seat_reserved"] >= first_finish
+        assert lines[2]["events"]["prefill_start"] >= first_finish
+    finally:
+        s.stop()
+    assert s.leftovers() == ([], [])
+
+
+def test_tcp_transport_with_link_emulation_gives_the_same_tokens(server):
+    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
+                      "--kv-transport", "tcp", "--kv-link-gbps", "0.01", "--kv-link-latency-ms", "20")  # fmt: skip
+    try:
+        prompt = [11, 12, 13] * 40
+        got = completion(s, prompt, max_tokens=5, ignore_eos=True)
+        server.post("/admin/mode", {"mode": "colocated"})
+        want = completion(server, prompt, max_tokens=5, ignore_eos=True)
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        t = s.get(f"/v1/requests/{got['id']}/timeline")[1]
+        size = len(prompt) * TINY_KV_BYTES_PER_TOKEN
+        assert t["kv_transfer"]["bytes"] == size
+        assert t["kv_transfer"]["seconds"] >= 0.02 + size * 8 / 0.01e9  # the emulated link was honoured
+    finally:
+        s.stop()
+    assert s.leftovers() == ([], [])
+
+
+def test_a_dead_worker_fails_its_requests_and_health_says_so():
+    s = ServerProcess("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1")
+    try:
+        async def go():
+            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+            try:
+                stream = await client.completions.create(model="tiny-random", prompt="x", stream=True,
+                                                         max_tokens=100000, temperature=0,
+                                                         extra_body={"ignore_eos": True})  # fmt: skip
+                got_error = False
+                async for chunk in stream:
+                    if chunk.choices and chunk.choices[0].text and not got_error:
+                        import os
+
+                        os.kill(s.worker_pids[0], signal.SIGKILL)
+                        got_error = True
+                return "ended"
+            except openai.APIError as err:
+                return f"error: {err}"
+            finally:
+                await client.close()
+
+        result = asyncio.run(asyncio.wait_for(go(), 60))
+        assert "died" in result
+        assert s.get("/health")[0] == 503
+        status, err = s.post("/v1/completions", {"prompt": "hi"})
+        assert status == 503 and "died" in err["error"]["message"]
+    finally:
+        s.stop()
+    assert s.leftovers() == ([], [])
