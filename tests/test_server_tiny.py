@@ -222,3 +222,33 @@ def test_a_dead_worker_fails_its_requests_and_health_says_so():
     finally:
         s.stop()
     assert s.leftovers() == ([], [])
+
+
+def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
+    s = ServerProcess("--model", "tiny-random", "--workers", "3", "--threads-per-worker", "1")
+    try:
+        prompts = [[9 + i, 2, 4000 - i] * (i + 2) for i in range(6)]
+
+        async def run_all():
+            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none")
+            try:
+                outs = await asyncio.gather(*(client.completions.create(
+                    model="tiny-random", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                    for p in prompts))  # fmt: skip
+                return [o.choices[0].text for o in outs], [o.id for o in outs]
+            finally:
+                await client.close()
+
+        want, _ = asyncio.run(run_all())
+        for p, d in ((1, 2), (2, 1)):
+            assert s.post("/admin/mode", {"mode": "disagg", "prefill_workers": p, "decode_workers": d})[0] == 200
+            got, ids = asyncio.run(run_all())
+            assert got == want
+            lines = [s.get(f"/v1/requests/{i}/timeline")[1] for i in ids]
+            assert len({t["prefill_worker"] for t in lines}) == p
+            assert len({t["decode_worker"] for t in lines}) == d
+        status, err = s.post("/admin/mode", {"mode": "disagg", "prefill_workers": 2, "decode_workers": 2})
+        assert status == 400 and "P + D" in err["error"]["message"]
+    finally:
+        s.stop()
+    assert s.leftovers() == ([], [])
