@@ -26,16 +26,18 @@ def test_allocate_free_refcount():
     bm.check_integrity()
 
 
-def test_reservation_sets_blocks_aside():
+def test_reservation_allocates_ahead_then_is_claimed_or_released():
     bm = BlockManager(10, 4)
-    assert bm.reserve("r1", 6)
-    assert bm.num_free == 4
-    assert not bm.can_allocate(5)
-    assert not bm.reserve("r2", 5)
-    got = bm.allocate(5, reservation="r1")
-    assert len(got) == 5 and bm.num_reserved == 1
-    assert bm.release("r1") == 1
-    assert bm.num_free == 5
+    seat = bm.reserve("r1", 6)
+    assert len(seat) == 6 and bm.num_free == 4 and bm.num_reserved == 6
+    assert bm.reserve("r2", 5) is None and bm.num_free == 4  # no room: nothing taken
+    with pytest.raises(ValueError):
+        bm.reserve("r1", 1)
+    assert bm.claim("r1") == seat and bm.num_reserved == 0 and bm.num_used == 6
+    bm.free(seat)
+    bm.reserve("r3", 3)
+    assert bm.release("r3") == 3 and bm.release("r3") == 0
+    assert bm.num_used == 0
     bm.check_integrity()
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from minipd import LLM, SamplingParams
 from tests.conftest import CHAT_PROMPTS
-from tests.server_process import ServerProcess
+from minipd.bench.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 QUESTIONS = CHAT_PROMPTS + ["Name a colour.", "What is 2 + 2?"]

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from minipd.models.loader import tiny_random_config
-from tests.server_process import ServerProcess, http
+from minipd.bench.server_process import ServerProcess, http
 
 pytestmark = pytest.mark.slow
 TINY_KV_BYTES_PER_TOKEN = tiny_random_config().kv_bytes_per_token(4)

@@ -14,8 +14,9 @@ class OutOfBlocks(RuntimeError):
 class BlockManager:
     """Hands out KV blocks by id. Torch-free: it only counts.
 
-    A reservation sets blocks aside for a future owner (a decode seat in disagg):
-    they are not free for anyone else, and `allocate(..., reservation=key)` draws on them.
+    A reservation allocates blocks ahead for a future owner (a decode seat in disagg: the
+    prefill worker writes the prompt's KV straight into these blocks). `claim` hands them to
+    the owner; `release` frees them if the owner never comes.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -25,35 +26,30 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
-        self._reserved: dict[str, int] = {}
-        self._num_reserved = 0
+        self._reserved: dict[str, list[int]] = {}
 
     @property
     def num_free(self) -> int:
-        """Blocks anyone may take now (free minus reserved)."""
-        return len(self._free) - self._num_reserved
+        return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Blocks not free, reserved ones included."""
         return self.num_blocks - len(self._free)
 
     @property
     def num_reserved(self) -> int:
-        return self._num_reserved
+        return sum(len(ids) for ids in self._reserved.values())
 
     def usage(self) -> float:
-        return (self.num_used + self._num_reserved) / self.num_blocks
+        return self.num_used / self.num_blocks
 
-    def can_allocate(self, n: int, reservation: str | None = None) -> bool:
-        return n <= self.num_free + self._reserved.get(reservation, 0)
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
 
-    def allocate(self, n: int, reservation: str | None = None) -> list[int]:
-        if not self.can_allocate(n, reservation):
-            raise OutOfBlocks(f"need {n} blocks, {self.num_free} free")
-        if reservation is not None and reservation in self._reserved:
-            from_reservation = min(n, self._reserved[reservation])
-            self._reserved[reservation] -= from_reservation
-            self._num_reserved -= from_reservation
+    def allocate(self, n: int) -> list[int]:
+        if not self.can_allocate(n):
+            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
         ids = [self._free.popleft() for _ in range(n)]
         for i in ids:
             self._ref_counts[i] = 1
@@ -73,21 +69,24 @@ class BlockManager:
             if self._ref_counts[i] == 0:
                 self._free.append(i)
 
-    def reserve(self, key: str, n: int) -> bool:
-        """Set n blocks aside for `key`; False (nothing reserved) if there is no room."""
+    def reserve(self, key: str, n: int) -> list[int] | None:
+        """Allocate n blocks ahead for `key`; None (nothing taken) if there is no room."""
         if key in self._reserved:
             raise ValueError(f"reservation {key!r} already exists")
-        if n > self.num_free:
-            return False
-        self._reserved[key] = n
-        self._num_reserved += n
-        return True
+        if not self.can_allocate(n):
+            return None
+        self._reserved[key] = self.allocate(n)
+        return list(self._reserved[key])
+
+    def claim(self, key: str) -> list[int]:
+        """The reserved blocks, now owned by the caller (who frees them later)."""
+        return self._reserved.pop(key)
 
     def release(self, key: str) -> int:
-        """Give back what is left of a reservation; returns how many blocks that was."""
-        n = self._reserved.pop(key, 0)
-        self._num_reserved -= n
-        return n
+        """Free a reservation nobody claimed; returns how many blocks that was."""
+        ids = self._reserved.pop(key, [])
+        self.free(ids)
+        return len(ids)
 
     def has_reservation(self, key: str) -> bool:
         return key in self._reserved
@@ -99,5 +98,5 @@ class BlockManager:
             assert rc >= 0, f"block {i} has ref count {rc}"
             assert (rc == 0) == (i in free), f"block {i}: ref count {rc} but free={i in free}"
         assert len(self._free) + self.num_used == self.num_blocks
-        assert self._num_reserved == sum(self._reserved.values()) and self._num_reserved >= 0
-        assert self._num_reserved <= len(self._free), "more reserved than free"
+        reserved = [i for ids in self._reserved.values() for i in ids]
+        assert len(reserved) == len(set(reserved)) and not free.intersection(reserved)

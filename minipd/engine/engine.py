@@ -37,7 +37,8 @@ class StepStats:
 class Engine:
     """schedule() -> run() -> postprocess(): one step of continuous batching."""
 
-    def __init__(self, config: EngineConfig, model=None):
+    def __init__(self, config: EngineConfig, model=None, kv_storage=None):
+        """kv_storage(num_bytes) -> uint8 tensor: where the KV cache lives (shared memory, say)."""
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -53,7 +54,7 @@ class Engine:
             ),
             self.blocks,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, config.num_blocks, config.block_size)
+        self.runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_storage)
         self.last_step = StepStats()
 
     # ---- requests ----------------------------------------------------------------
@@ -120,7 +121,7 @@ class Engine:
     def export_handoff(self, request_id: str, out: torch.Tensor | None = None) -> KVHandoff:
         seq = self.scheduler.handoffs[request_id]
         kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens, out=out)
-        return KVHandoff.from_sequence(seq, kv)
+        return KVHandoff.from_sequence(seq, self.runner.kv_cache, kv)
 
     def release_handoff(self, request_id: str) -> None:
         self.scheduler.release_handoff(request_id)
@@ -128,16 +129,18 @@ class Engine:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.blocks.block_size)
 
-    def reserve_seat(self, request_id: str, num_tokens: int) -> bool:
-        """Decode side: set aside room for a request's prompt KV plus its first decode step."""
+    def reserve_seat(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode side: allocate blocks ahead for a prompt's KV plus its first decode step.
+        Returns their ids (where a peer may write the KV directly), or None if there is no room."""
         return self.blocks.reserve(request_id, self.blocks_for_tokens(num_tokens + 1))
 
-    def import_handoff(self, handoff: KVHandoff) -> None:
+    def import_handoff(self, handoff: KVHandoff, kv_written: bool = False) -> None:
+        """Continue a prefilled request in its seat. kv_written: the peer already wrote the KV
+        into the seat's blocks (shared cache); otherwise copy handoff.kv in."""
         seq = handoff.to_sequence()
-        need = self.blocks_for_tokens(seq.num_computed_tokens)
-        seq.block_table = self.blocks.allocate(need, reservation=seq.request_id)
-        self.blocks.release(seq.request_id)
-        self.runner.import_kv(seq.block_table, handoff.kv)
+        seq.block_table = self.blocks.claim(seq.request_id)
+        if not kv_written:
+            self.runner.import_kv(seq.block_table, handoff.kv)
         self.scheduler.add_imported(seq)
 
     def num_running(self) -> int:

@@ -31,15 +31,16 @@ class HandoffMeta:
 @dataclass(slots=True)
 class KVHandoff:
     meta: HandoffMeta
-    kv: torch.Tensor  # (2, layers, num_computed_tokens, kv_heads, head_dim)
+    kv: torch.Tensor | None  # (2, layers, num_computed_tokens, kv_heads, head_dim); None if written in place
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, kv: torch.Tensor) -> KVHandoff:
+    def from_sequence(cls, seq: Sequence, kv_cache: torch.Tensor, kv: torch.Tensor | None = None) -> KVHandoff:
+        shape = list(kv_cache.shape)
+        shape[2] = seq.num_computed_tokens
         meta = HandoffMeta(
             request_id=seq.request_id, token_ids=list(seq.token_ids),
             num_prompt_tokens=seq.num_prompt_tokens, num_computed_tokens=seq.num_computed_tokens,
-            params=seq.params.to_dict(), kv_shape=list(kv.shape),
-            kv_dtype=str(kv.dtype).removeprefix("torch."),
+            params=seq.params.to_dict(), kv_shape=shape, kv_dtype=str(kv_cache.dtype).removeprefix("torch."),
         )  # fmt: skip
         return cls(meta, kv)
 

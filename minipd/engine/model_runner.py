@@ -11,17 +11,19 @@ from minipd.models.llama import LlamaForCausalLM
 class ModelRunner:
     """Owns the weights and the paged KV cache; turns a scheduled batch into sampled tokens."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_storage=None):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         # (K/V, layer, slot, kv_head, head_dim); slot = block * block_size + offset
-        self.kv_cache = torch.zeros(
-            2, cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+        shape = (2, cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        if kv_storage is None:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        else:
+            num_bytes = torch.Size(shape).numel() * self.dtype.itemsize
+            self.kv_cache = kv_storage(num_bytes)[:num_bytes].view(self.dtype).view(shape)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:

@@ -107,7 +107,7 @@ class Router:
         self.num_waiting_for_seat += 1
         try:
             async with self.seat_lock:  # first come, first seated
-                decode = await self._reserve_seat(state)
+                decode, seat = await self._reserve_seat(state)
         finally:
             self.num_waiting_for_seat -= 1
         if decode is None or state.finished:
@@ -122,7 +122,7 @@ class Router:
         prefill.inflight.add(state.request_id)
         state.events["dispatched"] = time.time()
         await self.pool.send(prefill.worker_id, m.AddRequest(state.request_id, state.prompt_token_ids,
-                                                             state.params.to_dict(), decode.worker_id))  # fmt: skip
+                                                             state.params.to_dict(), decode.worker_id, seat))  # fmt: skip
 
     async def _reserve_seat(self, state: RequestState):
         """Ask decode workers for room for this prompt's KV; wait for a request to end if none has it."""
@@ -134,19 +134,19 @@ class Router:
                 self.seat_replies[state.request_id] = fut
                 await self.pool.send(w.worker_id, m.ReserveSeat(state.request_id, len(state.prompt_token_ids)))
                 try:
-                    ok = await asyncio.wait_for(fut, timeout=30)
+                    seat = await asyncio.wait_for(fut, timeout=30)
                 finally:
                     self.seat_replies.pop(state.request_id, None)
-                if ok:
-                    return w
+                if seat is not None:
+                    return w, seat
             if not any(w.inflight for w in decoders):
                 self._end(state, error="the prompt does not fit in any decode worker's KV cache")
-                return None
+                return None, None
             try:
                 await asyncio.wait_for(self.capacity_changed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
-        return None
+        return None, None
 
     def _workers_with_role(self, role: str):
         workers = [w for w in self.pool.workers if w.alive and w.role == role]
@@ -180,8 +180,8 @@ class Router:
         if isinstance(msg, m.SeatReply):
             fut = self.seat_replies.get(msg.request_id)
             if fut and not fut.done():
-                fut.set_result(msg.ok)
-            elif msg.ok:  # nobody waits for it any more: give the seat back
+                fut.set_result(msg.block_ids)
+            elif msg.block_ids is not None:  # nobody waits for it any more: give the seat back
                 asyncio.get_running_loop().create_task(self.pool.send(msg.worker_id, m.Abort(msg.request_id)))
             return
         state = self.requests.get(msg.request_id)
@@ -226,7 +226,7 @@ class Router:
 
     def _on_stats(self, msg: m.WorkerStats) -> None:
         self.pool.workers[msg.worker_id].stats = msg
-        usage = (msg.blocks_used + msg.blocks_reserved) / max(1, msg.blocks_total)
+        usage = msg.blocks_used / max(1, msg.blocks_total)
         self.metrics.kv_usage.labels(self.metrics.model, str(msg.worker_id)).set(usage)
         stats = [w.stats for w in self.pool.workers if w.stats]
         self.metrics.running.labels(self.metrics.model).set(sum(s.num_running for s in stats))
@@ -281,7 +281,9 @@ class Router:
                     raise ApiError("could not drain running requests in time", 503, type_="server_error")
                 await asyncio.sleep(0.02)
             roles = mode.roles(len(self.pool.workers))
-            peers = {w.worker_id: w.info.kv_address for w in self.pool.workers}
+            peers = {w.worker_id: {"kv_address": w.info.kv_address, "cache_name": w.info.kv_cache_name,
+                                   "cache_shape": w.info.kv_cache_shape, "cache_dtype": w.info.kv_cache_dtype}
+                     for w in self.pool.workers}  # fmt: skip
             policy = "chunked" if mode.name == "chunked" else "prefill_first"
             self.mode_acks = {w.worker_id: loop.create_future() for w in self.pool.workers if w.alive}
             for w, role in zip(self.pool.workers, roles):

@@ -1,8 +1,10 @@
 """Moves a request's KV from a prefill worker to a decode worker, never through the main process.
 
-shm: the KV is written into a shared-memory segment; only a small header crosses ZeroMQ.
-tcp: the KV bytes cross a ZeroMQ tcp:// socket, paced by an optional link emulator.
-The sending side runs on a thread of its own, so a slow link does not stall prefill."""
+shm: the prefill worker writes the KV straight into the decode worker's cache (a shared-memory
+     segment), into the blocks of the seat reserved for the request; a small header follows.
+tcp: the KV bytes cross a ZeroMQ tcp:// socket, paced by an optional link emulator, and the
+     decode worker copies them into its seat.
+Sending runs on a thread of its own, so a slow link does not stall prefill."""
 
 from __future__ import annotations
 
@@ -17,11 +19,21 @@ import torch
 import zmq
 
 from minipd.engine.handoff import HandoffMeta, KVHandoff
-from minipd.transfer import shm
 from minipd.transfer.link import LinkEmulator
+from minipd.transfer.peer_cache import PeerCaches, copy_blocks
 
 TRANSPORTS = ("shm", "tcp")
 CHUNK_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(slots=True)
+class Peer:
+    """How to reach a decode worker: its KV socket, and on shm its cache segment."""
+
+    kv_address: str
+    cache_name: str | None = None
+    cache_shape: list[int] | None = None
+    cache_dtype: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,45 +44,38 @@ class Outgoing:
 
 
 class KVSender:
-    def __init__(self, ctx: zmq.Context, transport: str, tag: str, link: LinkEmulator | None = None):
+    def __init__(self, ctx: zmq.Context, transport: str, link: LinkEmulator | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"kv transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.ctx, self.transport, self.tag = ctx, transport, tag
+        self.ctx, self.transport = ctx, transport
         self.link = link or LinkEmulator()
+        self.peer_caches = PeerCaches()
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self.thread.start()
 
-    def send(self, engine, request_id: str, address: str, extra: dict) -> int:
-        """Copy the request's KV out of the engine's cache (after which its blocks may be freed)
-        and queue it for the decode worker. Returns the number of KV bytes."""
+    def send(self, engine, request_id: str, peer: Peer, seat_blocks: list[int], extra: dict) -> int:
+        """Move the request's KV out of this engine's cache (after which its blocks may be freed)
+        towards the decode worker's seat. Returns the number of KV bytes."""
         start = time.time()
         seq = engine.scheduler.handoffs[request_id]
-        n = seq.num_computed_tokens
-        shape = list(engine.runner.kv_cache.shape)
-        shape[2] = n
-        dtype = engine.runner.kv_cache.dtype
-        header = {"start": start, **extra}
+        cache = engine.runner.kv_cache
         if self.transport == "shm":
-            name = shm.segment_name(self.tag, request_id)
-            size = _numel(shape) * dtype.itemsize
-            segment = shm.create(name, size)
-            try:
-                handoff = engine.export_handoff(request_id, out=shm.tensor_view(segment, shape, dtype))
-            finally:
-                segment.close()
-            header["shm_name"] = name
-            payload = None
+            dst = self.peer_caches.get(peer.cache_name, peer.cache_shape, peer.cache_dtype)
+            copy_blocks(cache, seq.block_table, dst, seat_blocks, seq.num_computed_tokens, engine.blocks.block_size)
+            handoff = KVHandoff.from_sequence(seq, cache)
+            payload, written = None, True
         else:
             handoff = engine.export_handoff(request_id)
-            payload = handoff.kv
-        header["meta"] = dataclasses.asdict(handoff.meta)
-        self.queue.put(Outgoing(address, header, payload))
+            payload, written = handoff.kv, False
+        header = {"start": start, "written": written, "meta": dataclasses.asdict(handoff.meta), **extra}
+        self.queue.put(Outgoing(peer.kv_address, header, payload))
         return handoff.meta.num_bytes
 
     def close(self) -> None:
         self.queue.put(None)
         self.thread.join(timeout=5)
+        self.peer_caches.close()
 
     def _run(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
@@ -99,37 +104,22 @@ class KVSender:
                 s.close(linger=0)
 
 
-def receive(frames: list[bytes | zmq.Frame]) -> tuple[dict, KVHandoff, callable]:
-    """Turn a KV message into a handoff. Call the returned cleanup once the KV is imported."""
+def receive(frames: list) -> tuple[dict, KVHandoff]:
+    """Turn a KV message into a handoff (kv None when it was already written into the seat)."""
     header = msgpack.unpackb(bytes(frames[0]))
     meta = HandoffMeta(**header["meta"])
-    dtype = getattr(torch, meta.kv_dtype)
-    if "shm_name" in header:
-        segment = shm.open_segment(header["shm_name"])
-        kv = shm.tensor_view(segment, meta.kv_shape, dtype)
-
-        def cleanup():
-            segment.close()
-            segment.unlink()
-
-        return header, KVHandoff(meta, kv), cleanup
+    if header["written"]:
+        return header, KVHandoff(meta, None)
     kv = torch.empty(meta.num_bytes, dtype=torch.uint8)
     offset = 0
     for frame in frames[1:]:
         chunk = _as_tensor(frame)
         kv[offset : offset + len(chunk)] = chunk
         offset += len(chunk)
-    return header, KVHandoff(meta, kv.view(dtype).view(meta.kv_shape)), lambda: None
+    return header, KVHandoff(meta, kv.view(getattr(torch, meta.kv_dtype)).view(meta.kv_shape))
 
 
 def _as_tensor(frame) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a read-only buffer: we only read it
         return torch.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=torch.uint8)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

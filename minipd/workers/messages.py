@@ -33,6 +33,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: dict
     decode_worker: int | None = None  # disagg: where the KV goes after prefill
+    decode_blocks: list[int] | None = None  # ... and into which blocks of its cache
 
 
 @message
@@ -51,7 +52,7 @@ class SetMode:
     role: str
     policy: str
     chunk_tokens: int
-    peers: dict = field(default_factory=dict)  # worker id -> KV address
+    peers: dict = field(default_factory=dict)  # worker id -> Peer fields (transfer.channel)
 
 
 @message
@@ -69,6 +70,9 @@ class Ready:
     num_blocks: int
     block_size: int
     kv_bytes_per_token: int
+    kv_cache_name: str | None = None  # shared-memory segment holding the KV cache (shm transport)
+    kv_cache_shape: list[int] | None = None
+    kv_cache_dtype: str | None = None
 
 
 @message
@@ -96,7 +100,7 @@ class Event:
 class SeatReply:
     request_id: str
     worker_id: int
-    ok: bool
+    block_ids: list[int] | None  # None: no room
 
 
 @message

@@ -10,8 +10,10 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 
+import torch
 import zmq
 
+from minipd.transfer.channel import Peer
 from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.worker")
@@ -40,13 +42,22 @@ class Worker:
     def __init__(self, spec: WorkerSpec):
         from minipd.config import EngineConfig
         from minipd.engine.engine import Engine
+        from minipd.transfer import shm
         from minipd.transfer.channel import KVSender
         from minipd.transfer.link import LinkEmulator
 
         self.spec = spec
         self.id = spec.worker_id
         self.parent = os.getppid()
-        self.engine = Engine(EngineConfig(**spec.engine))
+        self.cache_segment = None
+        storage = None
+        if spec.kv_transport == "shm":  # peers write handed-off KV straight into this cache
+
+            def storage(num_bytes):
+                self.cache_segment = shm.create(shm.segment_name(spec.tag, f"cache{self.id}"), num_bytes)
+                return shm.tensor_view(self.cache_segment, [num_bytes], torch.uint8)
+
+        self.engine = Engine(EngineConfig(**spec.engine), kv_storage=storage)
         self.ctx = zmq.Context()
         self.control = self.ctx.socket(zmq.PULL)
         self.control.bind(spec.control_address)
@@ -57,19 +68,22 @@ class Worker:
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(spec.main_address)
         link = LinkEmulator(spec.kv_link_gbps, spec.kv_link_latency_ms) if spec.kv_transport == "tcp" else None
-        self.sender = KVSender(self.ctx, spec.kv_transport, spec.tag, link)
+        self.sender = KVSender(self.ctx, spec.kv_transport, link)
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
-        self.peers: dict[int, str] = {}
-        self.decode_worker: dict[str, int] = {}
+        self.peers: dict[int, Peer] = {}
+        self.decode_target: dict[str, tuple[int, list[int]]] = {}  # request -> (decode worker, seat blocks)
         self.prefill_started: set[str] = set()
         self.aborted: deque[str] = deque(maxlen=4096)
         self.running = True
         e = self.engine
+        cache = e.runner.kv_cache
         self.send(m.Ready(self.id, os.getpid(), spec.engine.get("device", "cpu"), self.kv_address,
                           e.blocks.num_blocks, e.blocks.block_size,
-                          e.model.config.kv_bytes_per_token(e.runner.kv_cache.element_size())))  # fmt: skip
+                          e.model.config.kv_bytes_per_token(cache.element_size()),
+                          self.cache_segment.name if self.cache_segment else None, list(cache.shape),
+                          str(cache.dtype).removeprefix("torch.")))  # fmt: skip
 
     def send(self, msg) -> None:
         self.out.send(m.encode(msg))
@@ -90,6 +104,8 @@ class Worker:
         finally:
             self.sender.close()
             self.ctx.destroy(linger=0)
+            if self.cache_segment is not None:
+                self.cache_segment.unlink()
 
     @staticmethod
     def _drain(sock, handler) -> None:
@@ -112,21 +128,21 @@ class Worker:
                 self.send(m.RequestError(msg.request_id, self.id, str(err)))
                 return
             if msg.decode_worker is not None:
-                self.decode_worker[msg.request_id] = msg.decode_worker
+                self.decode_target[msg.request_id] = (msg.decode_worker, msg.decode_blocks)
         elif isinstance(msg, m.ReserveSeat):
-            ok = e.reserve_seat(msg.request_id, msg.num_tokens)
-            self.send(m.SeatReply(msg.request_id, self.id, ok))
+            seat = e.reserve_seat(msg.request_id, msg.num_tokens)
+            self.send(m.SeatReply(msg.request_id, self.id, seat))
             self.send_stats()
         elif isinstance(msg, m.Abort):
             e.abort_request(msg.request_id)
             e.blocks.release(msg.request_id)
             self.aborted.append(msg.request_id)
-            self.decode_worker.pop(msg.request_id, None)
+            self.decode_target.pop(msg.request_id, None)
             self.send_stats()
         elif isinstance(msg, m.SetMode):
             e.set_role(msg.role)
             e.set_policy(msg.policy, msg.chunk_tokens)
-            self.peers = {int(k): v for k, v in msg.peers.items()}
+            self.peers = {int(k): Peer(**v) for k, v in msg.peers.items()}
             self.send(m.ModeSet(self.id, msg.role, msg.policy))
         elif isinstance(msg, m.Shutdown):
             self.running = False
@@ -150,13 +166,13 @@ class Worker:
             if out.handoff:
                 self.hand_off(out.request_id)
             elif out.finished:
-                self.decode_worker.pop(out.request_id, None)
+                self.decode_target.pop(out.request_id, None)
         self.send_stats()
 
     def hand_off(self, request_id: str) -> None:
-        target = self.decode_worker.pop(request_id)
+        target, seat = self.decode_target.pop(request_id)
         try:
-            num_bytes = self.sender.send(self.engine, request_id, self.peers[target], {"from": self.id})
+            num_bytes = self.sender.send(self.engine, request_id, self.peers[target], seat, {"from": self.id})
             self.send(m.Event(request_id, self.id, "transfer_start", time.time(), {"bytes": num_bytes}))
         except Exception as err:  # a full /dev/shm, say: end this request, keep serving
             log.exception("handoff of %s failed", request_id)
@@ -168,19 +184,17 @@ class Worker:
         from minipd.transfer.channel import receive
 
         e = self.engine
-        header, handoff, cleanup = receive(frames)
+        header, handoff = receive(frames)
         rid = handoff.meta.request_id
+        if rid in self.aborted or not e.blocks.has_reservation(rid):
+            return  # the request ended while its KV was on the way
         try:
-            if rid in self.aborted or not e.blocks.has_reservation(rid):
-                return  # the request ended while its KV was on the way
-            e.import_handoff(handoff)
+            e.import_handoff(handoff, kv_written=handoff.kv is None)
         except Exception:
             log.error("import of %s failed:\n%s", rid, traceback.format_exc())
             self.send(m.RequestError(rid, self.id, "KV import failed on the decode worker"))
             e.blocks.release(rid)
             return
-        finally:
-            cleanup()
         now = time.time()
         self.send(m.Event(rid, self.id, "transfer_end", now,
                           {"bytes": handoff.meta.num_bytes, "seconds": now - header["start"]}))  # fmt: skip

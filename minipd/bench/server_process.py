@@ -1,4 +1,4 @@
-"""Starts `python -m minipd serve` as a real subprocess for tests and makes sure it all ends."""
+"""Starts `python -m minipd serve` as a real subprocess (for tests and benchmarks) and makes sure it all ends."""
 
 from __future__ import annotations
 
