@@ -88,6 +88,9 @@ class BlockManager:
         self.free(ids)
         return len(ids)
 
+    def reserved_blocks(self, key: str) -> list[int]:
+        return self._reserved[key]
+
     def has_reservation(self, key: str) -> bool:
         return key in self._reserved
 

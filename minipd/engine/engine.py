@@ -134,6 +134,10 @@ class Engine:
         Returns their ids (where a peer may write the KV directly), or None if there is no room."""
         return self.blocks.reserve(request_id, self.blocks_for_tokens(num_tokens + 1))
 
+    def write_seat(self, request_id: str, part: int, kv: torch.Tensor) -> None:
+        """Write one (K/V, layer) part of a prompt's KV into its reserved seat."""
+        self.runner.write_kv_part(self.blocks.reserved_blocks(request_id), part, kv)
+
     def import_handoff(self, handoff: KVHandoff, kv_written: bool = False) -> None:
         """Continue a prefilled request in its seat. kv_written: the peer already wrote the KV
         into the seat's blocks (shared cache); otherwise copy handoff.kv in."""

@@ -31,7 +31,7 @@ class HandoffMeta:
 @dataclass(slots=True)
 class KVHandoff:
     meta: HandoffMeta
-    kv: torch.Tensor | None  # (2, layers, num_computed_tokens, kv_heads, head_dim); None if written in place
+    kv: torch.Tensor | None  # (2, layers, num_computed_tokens, kv_heads, head_dim); None if already in the seat
 
     @classmethod
     def from_sequence(cls, seq: Sequence, kv_cache: torch.Tensor, kv: torch.Tensor | None = None) -> KVHandoff:

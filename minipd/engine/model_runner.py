@@ -24,6 +24,8 @@ class ModelRunner:
         else:
             num_bytes = torch.Size(shape).numel() * self.dtype.itemsize
             self.kv_cache = kv_storage(num_bytes)[:num_bytes].view(self.dtype).view(shape)
+        if self.device.type == "cpu":
+            self.kv_cache.zero_()  # touch every page now, not on the first handoff into it
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -105,5 +107,11 @@ class ModelRunner:
         return torch.index_select(self.kv_cache, 2, slots, out=out)
 
     def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
-        slots = self.slots_of(block_table, kv.shape[2])
-        self.kv_cache[:, :, slots] = kv.to(device=self.device, dtype=self.dtype)
+        """kv: (2, layers, tokens, kv_heads, head_dim)."""
+        for part, layer_kv in enumerate(kv.flatten(0, 1)):
+            self.write_kv_part(block_table, part, layer_kv)
+
+    def write_kv_part(self, block_table: list[int], part: int, kv: torch.Tensor) -> None:
+        """One (K/V, layer) part, (tokens, kv_heads, head_dim); part = kind * layers + layer."""
+        slots = self.slots_of(block_table, kv.shape[0])
+        self.kv_cache.flatten(0, 1)[part].index_copy_(0, slots, kv.to(device=self.device, dtype=self.dtype))

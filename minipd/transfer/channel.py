@@ -2,9 +2,11 @@
 
 shm: the prefill worker writes the KV straight into the decode worker's cache (a shared-memory
      segment), into the blocks of the seat reserved for the request; a small header follows.
-tcp: the KV bytes cross a ZeroMQ tcp:// socket, paced by an optional link emulator, and the
-     decode worker copies them into its seat.
-Sending runs on a thread of its own, so a slow link does not stall prefill."""
+tcp: the KV crosses a ZeroMQ tcp:// socket layer by layer, paced by an optional link emulator;
+     a sender thread reads each layer out of the cache just before it goes on the wire, and the
+     decode worker copies each layer into its seat as it lands, so reading, sending and writing
+     overlap. (Each layer is its own ZeroMQ message: a multipart message only leaves whole.)
+The prefill side keeps the request's blocks until `finished()` reports it sent."""
 
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ from minipd.transfer.link import LinkEmulator
 from minipd.transfer.peer_cache import PeerCaches, copy_blocks
 
 TRANSPORTS = ("shm", "tcp")
-CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(slots=True)
@@ -38,9 +39,11 @@ class Peer:
 
 @dataclasses.dataclass(slots=True)
 class Outgoing:
+    request_id: str
     address: str
     header: dict
-    payload: torch.Tensor | None  # tcp only
+    cache: torch.Tensor | None = None  # tcp: read these slots of this cache, layer by layer
+    slots: torch.Tensor | None = None
 
 
 class KVSender:
@@ -51,26 +54,37 @@ class KVSender:
         self.link = link or LinkEmulator()
         self.peer_caches = PeerCaches()
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self.done: queue.Queue[str] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self.thread.start()
 
     def send(self, engine, request_id: str, peer: Peer, seat_blocks: list[int], extra: dict) -> int:
-        """Move the request's KV out of this engine's cache (after which its blocks may be freed)
-        towards the decode worker's seat. Returns the number of KV bytes."""
+        """Start moving the request's KV towards the decode worker's seat. Returns its size in bytes.
+        The request's blocks must stay allocated until `finished()` yields its id."""
         start = time.time()
         seq = engine.scheduler.handoffs[request_id]
         cache = engine.runner.kv_cache
+        meta = KVHandoff.from_sequence(seq, cache).meta
+        header = {"start": start, "meta": dataclasses.asdict(meta), **extra}
         if self.transport == "shm":
             dst = self.peer_caches.get(peer.cache_name, peer.cache_shape, peer.cache_dtype)
             copy_blocks(cache, seq.block_table, dst, seat_blocks, seq.num_computed_tokens, engine.blocks.block_size)
-            handoff = KVHandoff.from_sequence(seq, cache)
-            payload, written = None, True
+            header["written"] = True
+            self.queue.put(Outgoing(request_id, peer.kv_address, header))
         else:
-            handoff = engine.export_handoff(request_id)
-            payload, written = handoff.kv, False
-        header = {"start": start, "written": written, "meta": dataclasses.asdict(handoff.meta), **extra}
-        self.queue.put(Outgoing(peer.kv_address, header, payload))
-        return handoff.meta.num_bytes
+            header["written"] = False
+            slots = engine.runner.slots_of(seq.block_table, seq.num_computed_tokens)
+            self.queue.put(Outgoing(request_id, peer.kv_address, header, cache, slots))
+        return meta.num_bytes
+
+    def finished(self) -> list[str]:
+        """Requests whose KV has left this worker's cache (their blocks may be freed now)."""
+        out = []
+        while True:
+            try:
+                out.append(self.done.get_nowait())
+            except queue.Empty:
+                return out
 
     def close(self) -> None:
         self.queue.put(None)
@@ -86,37 +100,58 @@ class KVSender:
                     sock = sockets[item.address] = self.ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.LINGER, 0)
                     sock.connect(item.address)
-                head = msgpack.packb(item.header)
-                if item.payload is None:
-                    sock.send(head)
-                    continue
-                data = memoryview(item.payload.contiguous().view(torch.uint8).numpy()).cast("B")
-                chunks = [data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES)] or [data]
-                begin, sent = time.perf_counter(), 0
-                sock.send(head, zmq.SNDMORE)
-                for i, chunk in enumerate(chunks):
-                    sent += len(chunk)
-                    if self.link.active:
-                        self.link.wait(begin, sent)
-                    sock.send(chunk, zmq.SNDMORE if i < len(chunks) - 1 else 0, copy=False)
+                sock.send_multipart([HEADER, msgpack.packb(item.header)])
+                if item.cache is not None:
+                    self._send_layers(sock, item)
+                self.done.put(item.request_id)
         finally:
             for s in sockets.values():
                 s.close(linger=0)
 
+    def _send_layers(self, sock, item: Outgoing) -> None:
+        kinds, layers = item.cache.shape[:2]
+        rid = item.request_id.encode()
+        begin, sent = time.perf_counter(), 0
+        for part, cache in enumerate(item.cache.flatten(0, 1)):
+            data = cache.index_select(0, item.slots).view(torch.uint8).numpy()  # (tokens, kv_heads, head_dim)
+            sent += data.nbytes
+            if self.link.active:
+                self.link.wait(begin, sent)
+            sock.send_multipart([PART, rid, part.to_bytes(4, "little"), data], copy=False)
 
-def receive(frames: list) -> tuple[dict, KVHandoff]:
-    """Turn a KV message into a handoff (kv None when it was already written into the seat)."""
-    header = msgpack.unpackb(bytes(frames[0]))
-    meta = HandoffMeta(**header["meta"])
-    if header["written"]:
-        return header, KVHandoff(meta, None)
-    kv = torch.empty(meta.num_bytes, dtype=torch.uint8)
-    offset = 0
-    for frame in frames[1:]:
-        chunk = _as_tensor(frame)
-        kv[offset : offset + len(chunk)] = chunk
-        offset += len(chunk)
-    return header, KVHandoff(meta, kv.view(getattr(torch, meta.kv_dtype)).view(meta.kv_shape))
+
+HEADER, PART = b"H", b"P"
+
+
+class KVReceiver:
+    """Decode side: collects handoffs, writing each tcp layer into the request's seat as it lands."""
+
+    def __init__(self):
+        self.pending: dict[str, list] = {}  # request id -> [header, meta, parts still to come]
+
+    def on_message(self, frames: list, engine, wanted) -> tuple[dict, HandoffMeta] | None:
+        """Handle one KV message; returns (header, meta) once a handoff is complete and wanted(rid)."""
+        if bytes(frames[0]) == HEADER:
+            header = msgpack.unpackb(bytes(frames[1]))
+            meta = HandoffMeta(**header["meta"])
+            if header["written"]:
+                return (header, meta) if wanted(meta.request_id) else None
+            self.pending[meta.request_id] = [header, meta, 2 * meta.kv_shape[1]]
+            return None
+        rid = bytes(frames[1]).decode()
+        entry = self.pending.get(rid)
+        if entry is None:
+            return None
+        header, meta, _ = entry
+        if wanted(rid):
+            _, _, tokens, heads, dim = meta.kv_shape
+            part = _as_tensor(frames[3]).view(getattr(torch, meta.kv_dtype)).view(tokens, heads, dim)
+            engine.write_seat(rid, int.from_bytes(bytes(frames[2]), "little"), part)
+        entry[2] -= 1
+        if entry[2] > 0:
+            return None
+        del self.pending[rid]
+        return (header, meta) if wanted(rid) else None
 
 
 def _as_tensor(frame) -> torch.Tensor:

@@ -38,6 +38,15 @@ def open_segment(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
+def unlink(segment: shared_memory.SharedMemory) -> None:
+    """Remove a segment's name (SharedMemory.unlink would also tell the resource tracker, which
+    no longer tracks it)."""
+    try:
+        os.unlink(f"/dev/shm/{segment.name}")
+    except FileNotFoundError:
+        pass
+
+
 def unlink_all(tag: str) -> list[str]:
     """Remove every segment a server left behind (a worker died mid-handoff). Returns their names."""
     left = glob.glob(f"/dev/shm/{PREFIX}{tag}_*")

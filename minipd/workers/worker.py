@@ -10,9 +10,12 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 
+import msgpack
 import torch
 import zmq
 
+from minipd.engine.handoff import KVHandoff
+from minipd.transfer import shm
 from minipd.transfer.channel import Peer
 from minipd.workers import messages as m
 
@@ -42,8 +45,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec):
         from minipd.config import EngineConfig
         from minipd.engine.engine import Engine
-        from minipd.transfer import shm
-        from minipd.transfer.channel import KVSender
+        from minipd.transfer.channel import KVReceiver, KVSender
         from minipd.transfer.link import LinkEmulator
 
         self.spec = spec
@@ -69,6 +71,7 @@ class Worker:
         self.out.connect(spec.main_address)
         link = LinkEmulator(spec.kv_link_gbps, spec.kv_link_latency_ms) if spec.kv_transport == "tcp" else None
         self.sender = KVSender(self.ctx, spec.kv_transport, link)
+        self.receiver = KVReceiver()
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
@@ -94,18 +97,21 @@ class Worker:
                 if os.getppid() != self.parent:
                     break  # the main process is gone: do not outlive it
                 busy = self.engine.has_unfinished()
-                events = dict(self.poller.poll(0 if busy else 100))
+                sending = bool(self.engine.scheduler.handoffs)
+                events = dict(self.poller.poll(0 if busy else 5 if sending else 10))
                 if self.control in events:
                     self._drain(self.control, lambda frames: self.handle(m.decode(frames[0])))
                 if self.kv_in in events:
                     self._drain(self.kv_in, self.receive_kv)
+                for rid in self.sender.finished():
+                    self.engine.release_handoff(rid)
                 if self.engine.has_unfinished():
                     self.step()
         finally:
             self.sender.close()
             self.ctx.destroy(linger=0)
             if self.cache_segment is not None:
-                self.cache_segment.unlink()
+                shm.unlink(self.cache_segment)
 
     @staticmethod
     def _drain(sock, handler) -> None:
@@ -171,33 +177,37 @@ class Worker:
 
     def hand_off(self, request_id: str) -> None:
         target, seat = self.decode_target.pop(request_id)
+        started = time.time()
         try:
             num_bytes = self.sender.send(self.engine, request_id, self.peers[target], seat, {"from": self.id})
-            self.send(m.Event(request_id, self.id, "transfer_start", time.time(), {"bytes": num_bytes}))
-        except Exception as err:  # a full /dev/shm, say: end this request, keep serving
+            self.send(m.Event(request_id, self.id, "transfer_start", started, {"bytes": num_bytes}))
+        except Exception as err:  # end this request, keep serving
             log.exception("handoff of %s failed", request_id)
             self.send(m.RequestError(request_id, self.id, f"KV handoff failed: {err}"))
-        finally:
             self.engine.release_handoff(request_id)
 
     def receive_kv(self, frames) -> None:
-        from minipd.transfer.channel import receive
-
         e = self.engine
-        header, handoff = receive(frames)
-        rid = handoff.meta.request_id
-        if rid in self.aborted or not e.blocks.has_reservation(rid):
-            return  # the request ended while its KV was on the way
+
+        def wanted(rid: str) -> bool:  # False if the request ended while its KV was on the way
+            return rid not in self.aborted and e.blocks.has_reservation(rid)
+
         try:
-            e.import_handoff(handoff, kv_written=handoff.kv is None)
+            done = self.receiver.on_message(frames, e, wanted)
+            if done is None:
+                return
+            header, meta = done
+            e.import_handoff(KVHandoff(meta, None), kv_written=True)
         except Exception:
-            log.error("import of %s failed:\n%s", rid, traceback.format_exc())
+            log.error("KV import failed:\n%s", traceback.format_exc())
+            rid = msgpack.unpackb(bytes(frames[1]))["meta"]["request_id"] if bytes(frames[0]) == b"H" \
+                else bytes(frames[1]).decode()  # fmt: skip
             self.send(m.RequestError(rid, self.id, "KV import failed on the decode worker"))
             e.blocks.release(rid)
             return
         now = time.time()
-        self.send(m.Event(rid, self.id, "transfer_end", now,
-                          {"bytes": handoff.meta.num_bytes, "seconds": now - header["start"]}))  # fmt: skip
+        self.send(m.Event(meta.request_id, self.id, "transfer_end", now,
+                          {"bytes": meta.num_bytes, "seconds": now - header["start"]}))  # fmt: skip
         self.send_stats()
 
     def send_stats(self) -> None:
