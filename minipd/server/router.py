@@ -60,6 +60,7 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self.finished: OrderedDict[str, dict] = OrderedDict()  # recent timelines
         self.num_waiting_for_seat = 0
+        self.dispatching = 0  # dispatches under way (they finish before a mode switch proceeds)
         self.seat_lock = asyncio.Lock()
         self.capacity_changed = asyncio.Event()
         self.seat_replies: dict[str, asyncio.Future] = {}
@@ -87,33 +88,43 @@ class Router:
 
     async def _dispatch(self, state: RequestState) -> None:
         try:
-            await self.serving.wait()
-            if state.finished:
-                return
-            if self.mode.name == "disagg":
-                await self._dispatch_disagg(state)
-            else:
-                worker = self._least_loaded(self._workers_with_role("both"))
-                state.prefill_worker = state.decode_worker = worker.worker_id
-                worker.inflight.add(state.request_id)
-                state.events["dispatched"] = time.time()
-                await self.pool.send(worker.worker_id, m.AddRequest(state.request_id, state.prompt_token_ids,
-                                                                    state.params.to_dict()))  # fmt: skip
+            while not state.finished:
+                await self.serving.wait()
+                self.dispatching += 1
+                try:
+                    if self.mode.name != "disagg":
+                        await self._dispatch_colocated(state)
+                        return
+                    if await self._dispatch_disagg(state):
+                        return
+                finally:
+                    self.dispatching -= 1
+                # a mode switch began while it waited for a seat: go round again in the new mode
         except Exception as err:  # never lose a request silently
             log.exception("dispatch of %s failed", state.request_id)
             self._end(state, error=f"could not dispatch the request: {err}")
 
-    async def _dispatch_disagg(self, state: RequestState) -> None:
+    async def _dispatch_colocated(self, state: RequestState) -> None:
+        worker = self._least_loaded(self._workers_with_role("both"))
+        state.prefill_worker = state.decode_worker = worker.worker_id
+        worker.inflight.add(state.request_id)
+        state.events["dispatched"] = time.time()
+        await self.pool.send(worker.worker_id, m.AddRequest(state.request_id, state.prompt_token_ids,
+                                                            state.params.to_dict()))  # fmt: skip
+
+    async def _dispatch_disagg(self, state: RequestState) -> bool:
+        """False if a mode switch interrupted the wait for a seat."""
         self.num_waiting_for_seat += 1
         try:
             async with self.seat_lock:  # first come, first seated
                 decode, seat = await self._reserve_seat(state)
         finally:
             self.num_waiting_for_seat -= 1
-        if decode is None or state.finished:
-            if decode is not None:
-                await self.pool.send(decode.worker_id, m.Abort(state.request_id))
-            return
+        if decode is None:
+            return state.finished
+        if state.finished:
+            await self.pool.send(decode.worker_id, m.Abort(state.request_id))
+            return True
         state.events["seat_reserved"] = time.time()
         state.decode_worker = decode.worker_id
         decode.inflight.add(state.request_id)
@@ -123,10 +134,11 @@ class Router:
         state.events["dispatched"] = time.time()
         await self.pool.send(prefill.worker_id, m.AddRequest(state.request_id, state.prompt_token_ids,
                                                              state.params.to_dict(), decode.worker_id, seat))  # fmt: skip
+        return True
 
     async def _reserve_seat(self, state: RequestState):
         """Ask decode workers for room for this prompt's KV; wait for a request to end if none has it."""
-        while not state.finished:
+        while not state.finished and self.serving.is_set():
             self.capacity_changed.clear()
             decoders = sorted(self._workers_with_role("decode"), key=lambda w: len(w.inflight))
             for w in decoders:
@@ -275,7 +287,7 @@ class Router:
             self.serving.clear()  # new requests wait at the door
             loop = asyncio.get_running_loop()
             deadline = loop.time() + drain_timeout
-            while any(s.prefill_worker is not None for s in self.requests.values()):
+            while self.dispatching or any(s.prefill_worker is not None for s in self.requests.values()):
                 if loop.time() > deadline:
                     self.serving.set()
                     raise ApiError("could not drain running requests in time", 503, type_="server_error")
