@@ -252,3 +252,33 @@ def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
     finally:
         s.stop()
     assert s.leftovers() == ([], [])
+
+
+def test_switch_while_requests_stream_drains_them_and_loses_none(server):
+    prompts = [[20 + i, 30, 40] * (i + 1) for i in range(6)]
+
+    async def one(client, p):
+        out = await client.completions.create(model="tiny-random", prompt=p, max_tokens=40, temperature=0,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        return out.choices[0].text
+
+    async def go(switch_to):
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+        try:
+            tasks = [asyncio.ensure_future(one(client, p)) for p in prompts[:3]]
+            await asyncio.sleep(0.05)
+            switch = asyncio.get_running_loop().run_in_executor(
+                None, lambda: server.post("/admin/mode", {"mode": switch_to}))
+            await asyncio.sleep(0.05)
+            tasks += [asyncio.ensure_future(one(client, p)) for p in prompts[3:]]  # arrive during the switch
+            status, _ = await switch
+            assert status == 200
+            return await asyncio.gather(*tasks)
+        finally:
+            await client.close()
+
+    server.post("/admin/mode", {"mode": "colocated"})
+    want = [completion(server, p, max_tokens=40, ignore_eos=True)["choices"][0]["text"] for p in prompts]
+    assert asyncio.run(go("disagg")) == want
+    assert server.get("/admin/mode")[1]["mode"] == "disagg"
+    assert asyncio.run(go("chunked")) == want
