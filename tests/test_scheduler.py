@@ -106,3 +106,13 @@ def test_max_tokens_and_stop_token_ids():
     assert s.find("b") is None  # 7 is b's stop token
     run_step(s)
     assert s.num_unfinished == 0
+
+
+def test_abort_during_a_handoff_keeps_the_blocks_until_released():
+    s = make(role="prefill")
+    s.add(seq("a", 6))
+    s.postprocess(s.schedule(), [5])
+    assert s.abort("a").finish_reason == "abort"
+    assert s.blocks.num_used == 2  # a sender may still be reading them
+    s.release_handoff("a")
+    assert s.blocks.num_used == 0 and s.find("a") is None

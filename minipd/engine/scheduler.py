@@ -98,12 +98,13 @@ class Scheduler:
         seq = self.find(request_id)
         if seq is None:
             return None
+        if seq.status is SequenceStatus.HANDOFF:
+            seq.finish_reason = "abort"  # its KV may be on its way out: release_handoff frees it
+            return seq
         if seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
         else:
-            del self.handoffs[request_id]
+            self.waiting.remove(seq)
         self._finish(seq, "abort")
         return seq
 

@@ -11,6 +11,7 @@ The prefill side keeps the request's blocks until `finished()` reports it sent."
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from minipd.transfer.link import LinkEmulator
 from minipd.transfer.peer_cache import PeerCaches, copy_blocks
 
 TRANSPORTS = ("shm", "tcp")
+log = logging.getLogger("minipd.transfer")
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,15 +97,19 @@ class KVSender:
         sockets: dict[str, zmq.Socket] = {}
         try:
             while (item := self.queue.get()) is not None:
-                sock = sockets.get(item.address)
-                if sock is None:
-                    sock = sockets[item.address] = self.ctx.socket(zmq.PUSH)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(item.address)
-                sock.send_multipart([HEADER, msgpack.packb(item.header)])
-                if item.cache is not None:
-                    self._send_layers(sock, item)
-                self.done.put(item.request_id)
+                try:
+                    sock = sockets.get(item.address)
+                    if sock is None:
+                        sock = sockets[item.address] = self.ctx.socket(zmq.PUSH)
+                        sock.setsockopt(zmq.LINGER, 0)
+                        sock.connect(item.address)
+                    sock.send_multipart([HEADER, msgpack.packb(item.header)])
+                    if item.cache is not None:
+                        self._send_layers(sock, item)
+                except Exception:  # the decode side times the request out; the blocks come back
+                    log.exception("sending the KV of %s failed", item.request_id)
+                finally:
+                    self.done.put(item.request_id)
         finally:
             for s in sockets.values():
                 s.close(linger=0)

@@ -98,7 +98,7 @@ class Worker:
                     break  # the main process is gone: do not outlive it
                 busy = self.engine.has_unfinished()
                 sending = bool(self.engine.scheduler.handoffs)
-                events = dict(self.poller.poll(0 if busy else 5 if sending else 10))
+                events = dict(self.poller.poll(0 if busy else 5 if sending else 100))
                 if self.control in events:
                     self._drain(self.control, lambda frames: self.handle(m.decode(frames[0])))
                 if self.kv_in in events:
@@ -173,6 +173,8 @@ class Worker:
                 self.hand_off(out.request_id)
             elif out.finished:
                 self.decode_target.pop(out.request_id, None)
+        if not e.has_unfinished() and not e.scheduler.handoffs:
+            e.blocks.check_integrity()  # just went idle: every block must be free or reserved
         self.send_stats()
 
     def hand_off(self, request_id: str) -> None:
