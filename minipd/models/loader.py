@@ -155,4 +155,6 @@ def load_tokenizer(model: str | None):
             folder = resolve(None)
         except ModelNotFound:
             return None
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None  # weights only: prompts must be token ids
     return AutoTokenizer.from_pretrained(folder)
