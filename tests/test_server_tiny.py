@@ -282,3 +282,12 @@ def test_switch_while_requests_stream_drains_them_and_loses_none(server):
     assert asyncio.run(go("disagg")) == want
     assert server.get("/admin/mode")[1]["mode"] == "disagg"
     assert asyncio.run(go("chunked")) == want
+
+
+def test_a_transport_that_cannot_work_on_the_device_is_refused():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "minipd", "serve", "--model", "tiny-random", "--kv-transport",
+                          "cuda-ipc", "--device", "cpu"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode != 0 and "does not work with --device cpu" in out.stderr

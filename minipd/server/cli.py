@@ -24,7 +24,8 @@ def add_serve_parser(sub, add_engine_args) -> None:
     s.add_argument("--workers", type=int, default=2, help="CPU: number of worker processes")
     s.add_argument("--threads-per-worker", type=int, default=None, help="CPU: torch threads in each worker")
     s.add_argument("--gpus", default=None, help="CUDA: comma-separated GPU indices (default: all visible)")
-    s.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"])
+    s.add_argument("--kv-transport", default=None, choices=["shm", "cuda-ipc", "tcp"],
+                   help="how KV moves between workers (default: shm on CPU, cuda-ipc on CUDA)")
     s.add_argument("--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s")
     s.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
     s.add_argument("--max-waiting", type=int, default=256, help="bounded queue: more waiting requests get 429")
@@ -58,6 +59,11 @@ async def serve(args) -> None:
     from minipd.server.worker_pool import WorkerPool
 
     log = logging.getLogger("minipd")
+    if args.kv_transport is None:
+        args.kv_transport = "cuda-ipc" if args.device == "cuda" else "shm"
+    if (args.kv_transport, args.device) in (("shm", "cuda"), ("cuda-ipc", "cpu")):
+        raise SystemExit(f"--kv-transport {args.kv_transport} does not work with --device {args.device}; "
+                         "use shm on cpu, cuda-ipc on cuda, or tcp on either")  # fmt: skip
     mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens)
     configs = worker_configs(args)
     mode.check(len(configs))

@@ -294,7 +294,8 @@ class Router:
                 await asyncio.sleep(0.02)
             roles = mode.roles(len(self.pool.workers))
             peers = {w.worker_id: {"kv_address": w.info.kv_address, "cache_name": w.info.kv_cache_name,
-                                   "cache_shape": w.info.kv_cache_shape, "cache_dtype": w.info.kv_cache_dtype}
+                                   "cache_shape": w.info.kv_cache_shape, "cache_dtype": w.info.kv_cache_dtype,
+                                   "cache_handle": w.info.kv_cache_handle}
                      for w in self.pool.workers}  # fmt: skip
             policy = "chunked" if mode.name == "chunked" else "prefill_first"
             self.mode_acks = {w.worker_id: loop.create_future() for w in self.pool.workers if w.alive}

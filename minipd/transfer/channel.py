@@ -2,6 +2,7 @@
 
 shm: the prefill worker writes the KV straight into the decode worker's cache (a shared-memory
      segment), into the blocks of the seat reserved for the request; a small header follows.
+cuda-ipc: the same, into a GPU cache opened through a CUDA IPC handle.
 tcp: the KV crosses a ZeroMQ tcp:// socket layer by layer, paced by an optional link emulator;
      a sender thread reads each layer out of the cache just before it goes on the wire, and the
      decode worker copies each layer into its seat as it lands, so reading, sending and writing
@@ -25,7 +26,8 @@ from minipd.engine.handoff import HandoffMeta, KVHandoff
 from minipd.transfer.link import LinkEmulator
 from minipd.transfer.peer_cache import PeerCaches, copy_blocks
 
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "cuda-ipc", "tcp")
+IN_PLACE = ("shm", "cuda-ipc")  # the prefill worker writes into the decode worker's cache
 log = logging.getLogger("minipd.transfer")
 
 
@@ -37,6 +39,7 @@ class Peer:
     cache_name: str | None = None
     cache_shape: list[int] | None = None
     cache_dtype: str | None = None
+    cache_handle: bytes | None = None  # CUDA IPC
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,9 +71,11 @@ class KVSender:
         cache = engine.runner.kv_cache
         meta = KVHandoff.from_sequence(seq, cache).meta
         header = {"start": start, "meta": dataclasses.asdict(meta), **extra}
-        if self.transport == "shm":
-            dst = self.peer_caches.get(peer.cache_name, peer.cache_shape, peer.cache_dtype)
+        if self.transport in IN_PLACE:
+            dst = self.peer_caches.get(peer.cache_name, peer.cache_shape, peer.cache_dtype, peer.cache_handle)
             copy_blocks(cache, seq.block_table, dst, seat_blocks, seq.num_computed_tokens, engine.blocks.block_size)
+            if cache.is_cuda:
+                torch.cuda.current_stream(cache.device).synchronize()  # the KV is there before we say so
             header["written"] = True
             self.queue.put(Outgoing(request_id, peer.kv_address, header))
         else:
@@ -119,7 +124,7 @@ class KVSender:
         rid = item.request_id.encode()
         begin, sent = time.perf_counter(), 0
         for part, cache in enumerate(item.cache.flatten(0, 1)):
-            data = cache.index_select(0, item.slots).view(torch.uint8).numpy()  # (tokens, kv_heads, head_dim)
+            data = cache.index_select(0, item.slots).cpu().view(torch.uint8).numpy()  # (tokens, kv_heads, head_dim)
             sent += data.nbytes
             if self.link.active:
                 self.link.wait(begin, sent)

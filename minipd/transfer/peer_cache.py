@@ -1,7 +1,8 @@
 """Writing a prompt's KV straight into a peer worker's KV cache (its blocks reserved as a seat).
 
 On CPU the decode worker's cache lives in a named shared-memory segment that the prefill worker
-maps once; the copy goes block run by block run, cache to cache, with no staging buffer."""
+maps once; on CUDA the prefill worker opens a CUDA IPC handle to it. The copy goes block run by
+block run, cache to cache, with no staging buffer."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ class PeerCaches:
     def __init__(self):
         self._open: dict[str, tuple[object, torch.Tensor]] = {}
 
-    def get(self, name: str, shape: list[int], dtype: str) -> torch.Tensor:
+    def get(self, name: str, shape: list[int], dtype: str, cuda_handle: bytes | None = None) -> torch.Tensor:
+        if cuda_handle is not None:
+            if name not in self._open:
+                from minipd.transfer.cuda_ipc import open_handle
+
+                self._open[name] = (None, open_handle(cuda_handle))
+            return self._open[name][1]
         if name not in self._open:
             segment = shm.open_segment(name)
             view = shm.tensor_view(segment, shape, getattr(torch, dtype))
@@ -25,7 +32,8 @@ class PeerCaches:
     def close(self) -> None:
         for segment, _ in self._open.values():
             try:
-                segment.close()
+                if segment is not None:
+                    segment.close()
             except BufferError:
                 pass  # a view is still alive; the mapping goes with the process
         self._open.clear()

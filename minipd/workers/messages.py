@@ -73,6 +73,7 @@ class Ready:
     kv_cache_name: str | None = None  # shared-memory segment holding the KV cache (shm transport)
     kv_cache_shape: list[int] | None = None
     kv_cache_dtype: str | None = None
+    kv_cache_handle: bytes | None = None  # CUDA IPC handle to the KV cache (cuda-ipc transport)
 
 
 @message

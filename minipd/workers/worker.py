@@ -82,11 +82,16 @@ class Worker:
         self.running = True
         e = self.engine
         cache = e.runner.kv_cache
+        handle = None
+        if spec.kv_transport == "cuda-ipc":
+            from minipd.transfer.cuda_ipc import export_handle
+
+            handle = export_handle(cache)
+        cache_name = self.cache_segment.name if self.cache_segment else f"worker{self.id}"
         self.send(m.Ready(self.id, os.getpid(), spec.engine.get("device", "cpu"), self.kv_address,
                           e.blocks.num_blocks, e.blocks.block_size,
-                          e.model.config.kv_bytes_per_token(cache.element_size()),
-                          self.cache_segment.name if self.cache_segment else None, list(cache.shape),
-                          str(cache.dtype).removeprefix("torch.")))  # fmt: skip
+                          e.model.config.kv_bytes_per_token(cache.element_size()), cache_name, list(cache.shape),
+                          str(cache.dtype).removeprefix("torch."), handle))  # fmt: skip
 
     def send(self, msg) -> None:
         self.out.send(m.encode(msg))
