@@ -22,3 +22,22 @@ def run_staggered(engine: Engine, prompts: list[list[int]], params: SamplingPara
             check(engine)
         step += 1
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Prefill every prompt on one engine, hand each KV into a seat on the other, decode there."""
+    outputs = {str(i): [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        prefill.add_request(str(i), p, params)
+    while prefill.has_unfinished() or decode.has_unfinished():
+        for out in prefill.step():
+            outputs[out.request_id] += out.new_token_ids
+            if out.handoff:
+                handoff = prefill.export_handoff(out.request_id)
+                assert handoff.kv.shape[2] == len(prompts[int(out.request_id)])
+                assert decode.reserve_seat(out.request_id, handoff.meta.num_computed_tokens)
+                decode.import_handoff(handoff)
+                prefill.release_handoff(out.request_id)
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+    return [outputs[str(i)] for i in range(len(prompts))]

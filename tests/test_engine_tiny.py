@@ -8,7 +8,7 @@ import torch
 from minipd.engine.sampler import sample
 from minipd.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from tests.helpers import run_staggered
+from tests.helpers import run_disaggregated, run_staggered
 
 
 def prompts(n=6, seed=0):
@@ -57,20 +57,8 @@ def test_seeded_sampling_survives_the_handoff(tiny_model):
     ps = prompts(4, seed=2)
     expected = reference(tiny_model, ps, params)
     prefill, decode = make_engine(tiny_model, role="prefill"), make_engine(tiny_model, role="decode")
-    outs = {str(i): [] for i in range(len(ps))}
-    for i, p in enumerate(ps):
-        prefill.add_request(str(i), p, params)
-    while prefill.has_unfinished() or decode.has_unfinished():
-        for o in prefill.step():
-            outs[o.request_id] += o.new_token_ids
-            if o.handoff:
-                h = prefill.export_handoff(o.request_id)
-                assert decode.reserve_seat(o.request_id, h.meta.num_computed_tokens)
-                decode.import_handoff(h)
-                prefill.release_handoff(o.request_id)
-        for o in decode.step():
-            outs[o.request_id] += o.new_token_ids
-    assert [outs[str(i)] for i in range(len(ps))] == expected
+    assert run_disaggregated(prefill, decode, ps, params) == expected
+    assert prefill.blocks.num_used == 0 and decode.blocks.num_used == 0
 
 
 def test_abort_mid_decode_frees_everything(tiny_model):

@@ -4,7 +4,7 @@ import pytest
 
 from minipd.sampling_params import SamplingParams
 from tests.conftest import make_engine
-from tests.helpers import run_staggered
+from tests.helpers import run_disaggregated, run_staggered
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0)
 
@@ -32,21 +32,7 @@ def test_export_import_matches_hf(default_model, chat_prompt_ids, hf_greedy):
     """Prefill on one engine, hand the KV to a second engine, decode there."""
     prefill = make_engine(default_model, role="prefill", kv_cache_tokens=4096)
     decode = make_engine(default_model, role="decode", kv_cache_tokens=4096)
-    outputs = {str(i): [] for i in range(len(chat_prompt_ids))}
-    for i, ids in enumerate(chat_prompt_ids):
-        prefill.add_request(str(i), ids, GREEDY)
-    while prefill.has_unfinished() or decode.has_unfinished():
-        for out in prefill.step():
-            outputs[out.request_id] += out.new_token_ids
-            if out.handoff:
-                handoff = prefill.export_handoff(out.request_id)
-                assert handoff.kv.shape[2] == len(chat_prompt_ids[int(out.request_id)])
-                assert decode.reserve_seat(out.request_id, handoff.meta.num_computed_tokens)
-                decode.import_handoff(handoff)
-                prefill.release_handoff(out.request_id)
-        for out in decode.step():
-            outputs[out.request_id] += out.new_token_ids
-    assert [outputs[str(i)] for i in range(len(chat_prompt_ids))] == hf_greedy
+    assert run_disaggregated(prefill, decode, chat_prompt_ids, GREEDY) == hf_greedy
     for e in (prefill, decode):
         assert e.blocks.num_used == 0 and e.blocks.num_reserved == 0
         e.blocks.check_integrity()
