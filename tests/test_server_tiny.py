@@ -291,3 +291,32 @@ def test_a_transport_that_cannot_work_on_the_device_is_refused():
     out = subprocess.run([sys.executable, "-m", "minipd", "serve", "--model", "tiny-random", "--kv-transport",
                           "cuda-ipc", "--device", "cpu"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode != 0 and "does not work with --device cpu" in out.stderr
+
+
+def test_overload_gets_429_and_the_rest_complete():
+    s = ServerProcess("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
+                      "--max-num-seqs", "1", "--max-waiting", "1")  # fmt: skip
+    try:
+        async def go():
+            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+
+            async def one(i):
+                try:
+                    out = await client.completions.create(model="tiny-random", prompt=f"n{i}", max_tokens=30,
+                                                          temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+                    return out.usage.completion_tokens
+                except openai.RateLimitError as err:
+                    return err.status_code
+
+            try:
+                return await asyncio.gather(*(one(i) for i in range(5)))
+            finally:
+                await client.close()
+
+        results = asyncio.run(go())
+        assert results.count(429) >= 1 and results.count(30) >= 2, results
+        assert set(results) <= {429, 30}
+        assert completion(s, "after the rush", max_tokens=2)["usage"]["completion_tokens"] == 2
+    finally:
+        s.stop()
+    assert s.leftovers() == ([], [])

@@ -28,7 +28,8 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="how KV moves between workers (default: shm on CPU, cuda-ipc on CUDA)")
     s.add_argument("--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s")
     s.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
-    s.add_argument("--max-waiting", type=int, default=256, help="bounded queue: more waiting requests get 429")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="bounded queue: requests beyond max-num-seqs per worker plus this many get 429")
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=lambda args: run(args))
@@ -73,7 +74,7 @@ async def serve(args) -> None:
     max_model_len = min(max_pos, args.kv_cache_tokens)
     name = served_name(args.model)
     pool = WorkerPool(configs, args.kv_transport, args.kv_link_gbps, args.kv_link_latency_ms)
-    router = Router(pool, tokenizer, Metrics(name), args.max_waiting)
+    router = Router(pool, tokenizer, Metrics(name), args.max_waiting, args.max_num_seqs)
     api = Api(router, name, max_model_len)
     runner = web.AppRunner(api.app(), access_log=None)
     stop = asyncio.Event()

@@ -51,11 +51,13 @@ class Mode:
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, tokenizer, metrics: Metrics, max_waiting: int = 256):
+    def __init__(self, pool: WorkerPool, tokenizer, metrics: Metrics, max_waiting: int = 256,
+                 max_running_per_worker: int = 64):  # fmt: skip
         self.pool = pool
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_waiting = max_waiting
+        self.max_running_per_worker = max_running_per_worker
         self.mode = Mode()
         self.requests: dict[str, RequestState] = {}
         self.finished: OrderedDict[str, dict] = OrderedDict()  # recent timelines
@@ -74,7 +76,8 @@ class Router:
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         if self.dead:
             raise ApiError(f"worker(s) {self.dead} died; the server cannot serve", 503, type_="server_error")
-        if len(self.requests) >= self.max_waiting + self._capacity_hint():
+        capacity = self.max_running_per_worker * sum(w.alive for w in self.pool.workers)
+        if len(self.requests) >= capacity + self.max_waiting:
             raise ApiError("the server is overloaded; try again later", 429, type_="rate_limit_error")
         stream = TextStream(self.tokenizer, params.stop) if self.tokenizer else None
         state = RequestState(request_id, prompt_token_ids, params, stream)
@@ -82,9 +85,6 @@ class Router:
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(prompt_token_ids))
         asyncio.get_running_loop().create_task(self._dispatch(state))
         return state
-
-    def _capacity_hint(self) -> int:
-        return sum(64 for w in self.pool.workers if w.alive)
 
     async def _dispatch(self, state: RequestState) -> None:
         try:
