@@ -30,7 +30,6 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_seqs: int = 0
     num_preempted: int = 0
-    started_at: float = 0.0
     prefilling: list[str] = field(default_factory=list)
 
 
@@ -75,11 +74,10 @@ class Engine:
     def step(self) -> list[StepOutput]:
         started = time.perf_counter()
         batch = self.scheduler.schedule()
-        stats = StepStats(started_at=started, num_preempted=len(batch.preempted))
+        stats = StepStats(num_preempted=len(batch.preempted))
         if batch.is_empty:
             self.last_step = stats
             return []
-        before = {id(s): s.num_output_tokens for s in batch.seqs}
         sampled = self.runner.run(batch)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.in_prefill or n > 1 or seq.num_computed_tokens == 0:
@@ -87,18 +85,12 @@ class Engine:
                 stats.prefilling.append(seq.request_id)
             else:
                 stats.num_decode_seqs += 1
-        left = {id(s) for s in self.scheduler.postprocess(batch, sampled)}
-        outputs = []
-        for seq, token in zip(batch.seqs, sampled):
-            if token is None:
-                continue
-            new = seq.output_token_ids[before[id(seq)] :]
-            outputs.append(
-                StepOutput(
-                    seq.request_id, new, finished=seq.is_finished, finish_reason=seq.finish_reason,
-                    handoff=id(seq) in left and seq.status is SequenceStatus.HANDOFF,
-                )
-            )  # fmt: skip
+        self.scheduler.postprocess(batch, sampled)
+        outputs = [
+            StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,
+                       handoff=seq.status is SequenceStatus.HANDOFF)
+            for seq, token in zip(batch.seqs, sampled) if token is not None
+        ]  # fmt: skip
         stats.duration = time.perf_counter() - started
         self.last_step = stats
         return outputs
