@@ -1,7 +1,9 @@
 """The real server (main process + worker processes) on the tiny random model."""
 
 import asyncio
+import glob
 import signal
+import time
 
 import openai
 import pytest
@@ -135,8 +137,6 @@ def test_client_disconnect_frees_the_blocks(server):
         await client.close()
 
     asyncio.run(go())
-    import time
-
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         workers = server.get("/admin/workers")[1]["workers"]
@@ -319,4 +319,21 @@ def test_overload_gets_429_and_the_rest_complete():
         assert completion(s, "after the rush", max_tokens=2)["usage"]["completion_tokens"] == 2
     finally:
         s.stop()
+    assert s.leftovers() == ([], [])
+
+
+def test_workers_end_and_clean_up_when_the_main_process_is_killed():
+    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1")
+    assert len(glob.glob(f"/dev/shm/minipd_{s.proc.pid}_*")) == 2  # the two workers' KV caches
+    s.stop(signal.SIGKILL)  # no chance to clean up: the workers must notice and go
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and s.leftovers() != ([], []):
+        time.sleep(0.1)
+    assert s.leftovers() == ([], [])
+
+
+def test_ctrl_c_stops_cleanly():
+    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg")
+    completion(s, [1, 2, 3], max_tokens=3)
+    assert s.stop(signal.SIGINT) == 0
     assert s.leftovers() == ([], [])
