@@ -60,7 +60,7 @@ class LLM:
     def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(token_lists, params) if len(token_lists) > 1 else self.generate([token_lists[0]], params)
+        return self.generate(token_lists, params)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         self._need_tokenizer()

@@ -105,7 +105,7 @@ class Api:
                 break
         use = p.usage(len(state.prompt_token_ids), n)
         make = p.chat_response if chat else p.completion_response
-        body = make(state.request_id, self.model_name, p.now(), text, _openai_reason(d.finish_reason), use)
+        body = make(state.request_id, self.model_name, p.now(), text, d.finish_reason, use)
         return web.json_response(body)
 
     async def _stream(self, request, state, chat: bool, include_usage: bool) -> web.StreamResponse:
@@ -116,8 +116,10 @@ class Api:
         async def send(obj: dict) -> None:
             await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-        chunk = (lambda delta, fr: p.chat_chunk(state.request_id, self.model_name, created, delta, fr)) if chat else \
-            (lambda delta, fr: p.completion_chunk(state.request_id, self.model_name, created, delta, fr))  # fmt: skip
+        def chunk(delta, finish_reason):
+            make = p.chat_chunk if chat else p.completion_chunk
+            return make(state.request_id, self.model_name, created, delta, finish_reason)
+
         if chat:
             await send(chunk({"role": "assistant", "content": ""}, None))
         while True:
@@ -128,7 +130,7 @@ class Api:
                 break
             if d.text or d.finish_reason:
                 text = {"content": d.text} if chat else d.text
-                await send(chunk(text if d.text or not chat else {}, _openai_reason(d.finish_reason)))
+                await send(chunk(text if d.text or not chat else {}, d.finish_reason))
             if d.finish_reason:
                 break
         if include_usage:
@@ -204,7 +206,3 @@ class Api:
         if self.tokenizer is None:
             raise ApiError("this model has no tokenizer", 400)
         return self.tokenizer
-
-
-def _openai_reason(reason: str | None) -> str | None:
-    return {"abort": "abort", "error": "error"}.get(reason, reason)
