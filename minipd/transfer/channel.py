@@ -59,7 +59,7 @@ class KVSender:
         self.link = link or LinkEmulator()
         self.peer_caches = PeerCaches()
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
-        self.done: queue.Queue[str] = queue.Queue()
+        self.done: queue.Queue[tuple[str, str | None]] = queue.Queue()  # (request id, error)
         self.thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self.thread.start()
 
@@ -84,8 +84,9 @@ class KVSender:
             self.queue.put(Outgoing(request_id, peer.kv_address, header, cache, slots))
         return meta.num_bytes
 
-    def finished(self) -> list[str]:
-        """Requests whose KV has left this worker's cache (their blocks may be freed now)."""
+    def finished(self) -> list[tuple[str, str | None]]:
+        """(request id, error or None) for requests whose KV has left this worker's cache, or
+        failed to: their blocks may be freed now."""
         out = []
         while True:
             try:
@@ -102,6 +103,7 @@ class KVSender:
         sockets: dict[str, zmq.Socket] = {}
         try:
             while (item := self.queue.get()) is not None:
+                error = None
                 try:
                     sock = sockets.get(item.address)
                     if sock is None:
@@ -111,10 +113,11 @@ class KVSender:
                     sock.send_multipart([HEADER, msgpack.packb(item.header)])
                     if item.cache is not None:
                         self._send_layers(sock, item)
-                except Exception:  # the decode side times the request out; the blocks come back
+                except Exception as err:
                     log.exception("sending the KV of %s failed", item.request_id)
+                    error = f"KV handoff failed: {err}"
                 finally:
-                    self.done.put(item.request_id)
+                    self.done.put((item.request_id, error))
         finally:
             for s in sockets.values():
                 s.close(linger=0)
