@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from minipd import LLM, SamplingParams
-from tests.conftest import CHAT_PROMPTS
 from minipd.bench.server_process import ServerProcess
+from tests.conftest import CHAT_PROMPTS
 
 pytestmark = pytest.mark.slow
 QUESTIONS = CHAT_PROMPTS + ["Name a colour.", "What is 2 + 2?"]

@@ -9,8 +9,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from minipd.models.loader import tiny_random_config
 from minipd.bench.server_process import ServerProcess, http
+from minipd.models.loader import tiny_random_config
 
 pytestmark = pytest.mark.slow
 TINY_KV_BYTES_PER_TOKEN = tiny_random_config().kv_bytes_per_token(4)
