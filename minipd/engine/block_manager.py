@@ -41,9 +41,6 @@ class BlockManager:
     def num_reserved(self) -> int:
         return sum(len(ids) for ids in self._reserved.values())
 
-    def usage(self) -> float:
-        return self.num_used / self.num_blocks
-
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 

@@ -27,10 +27,8 @@ class StepOutput:
 @dataclass(slots=True)
 class StepStats:
     duration: float = 0.0
-    num_prefill_tokens: int = 0
-    num_decode_seqs: int = 0
     num_preempted: int = 0
-    prefilling: list[str] = field(default_factory=list)
+    prefilling: list[str] = field(default_factory=list)  # requests that read prompt tokens this step
 
 
 class Engine:
@@ -79,12 +77,7 @@ class Engine:
             self.last_step = stats
             return []
         sampled = self.runner.run(batch)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.in_prefill or n > 1 or seq.num_computed_tokens == 0:
-                stats.num_prefill_tokens += n
-                stats.prefilling.append(seq.request_id)
-            else:
-                stats.num_decode_seqs += 1
+        stats.prefilling = [s.request_id for s in batch.seqs if s.in_prefill]
         self.scheduler.postprocess(batch, sampled)
         outputs = [
             StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,
@@ -110,9 +103,9 @@ class Engine:
         self.scheduler.config.__post_init__()
 
     # ---- KV handoff ----------------------------------------------------------------
-    def export_handoff(self, request_id: str, out: torch.Tensor | None = None) -> KVHandoff:
+    def export_handoff(self, request_id: str) -> KVHandoff:
         seq = self.scheduler.handoffs[request_id]
-        kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens, out=out)
+        kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens)
         return KVHandoff.from_sequence(seq, self.runner.kv_cache, kv)
 
     def release_handoff(self, request_id: str) -> None:

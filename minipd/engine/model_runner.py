@@ -63,8 +63,7 @@ class ModelRunner:
         num_decodes = sum(1 for s, n in zip(seqs, counts) if n == 1 and s.num_computed_tokens > 0)
         if num_decodes:
             ctx = [s.num_computed_tokens + 1 for s in seqs[:num_decodes]]
-            meta.decode_rows = torch.arange(num_decodes, device=self.device)
-            meta.decodes_are_contiguous = True
+            meta.num_decodes = num_decodes
             meta.decode_slots = self._context_slots(seqs[:num_decodes], max(ctx))
             if min(ctx) != max(ctx):
                 lengths = torch.tensor(ctx, device=self.device)
@@ -98,13 +97,9 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.long)
         return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
 
-    def export_kv(self, block_table: list[int], num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(2, layers, num_tokens, kv_heads, head_dim): exactly the KV of the first num_tokens,
-        written into `out` (a shared-memory view, say) when given."""
-        slots = self.slots_of(block_table, num_tokens)
-        if out is None:
-            return self.kv_cache.index_select(2, slots)
-        return torch.index_select(self.kv_cache, 2, slots, out=out)
+    def export_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """(2, layers, num_tokens, kv_heads, head_dim): exactly the KV of the first num_tokens."""
+        return self.kv_cache.index_select(2, self.slots_of(block_table, num_tokens))
 
     def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
         """kv: (2, layers, tokens, kv_heads, head_dim)."""

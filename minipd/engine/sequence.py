@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from minipd.sampling_params import SamplingParams
@@ -22,7 +21,6 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
-    arrival_time: float = field(default_factory=time.monotonic)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -23,11 +23,10 @@ class AttentionMetadata:
     """Built once per step, read by every layer."""
 
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
-    decode_rows: torch.Tensor | None = None  # (B,) rows of the flat batch that are decodes
+    num_decodes: int = 0  # the first B rows of the flat batch are decodes, one token each
     decode_slots: torch.Tensor | None = None  # (B, Lmax) context slots per decode, padded
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, Lmax) or None if all have Lmax
     prefills: list[PrefillSpan] = field(default_factory=list)
-    decodes_are_contiguous: bool = False  # decode rows are exactly 0..B-1
 
 
 def paged_attention(
@@ -42,14 +41,14 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     T, Hq, D = q.shape
     out = q.new_empty(T, Hq, D)
-    if meta.decode_rows is not None:
-        qd = q[meta.decode_rows] if not meta.decodes_are_contiguous else q[: len(meta.decode_rows)]
+    if meta.num_decodes:
+        qd = q[: meta.num_decodes]
         kd = gather(k_cache, meta.decode_slots).transpose(1, 2)  # (B, Hkv, L, D)
         vd = gather(v_cache, meta.decode_slots).transpose(1, 2)
         od = F.scaled_dot_product_attention(
             qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, enable_gqa=True
         )  # (B, Hq, 1, D)
-        out[meta.decode_rows] = od.squeeze(2)
+        out[: meta.num_decodes] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.q_len)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, Hq, q, D)
