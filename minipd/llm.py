@@ -3,6 +3,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from minipd.config import EngineConfig
 from minipd.detokenizer import TextStream
 from minipd.engine.engine import Engine
@@ -47,20 +49,24 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         self._ids = itertools.count()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:  # fmt: skip
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
+        params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         token_lists = [self._encode(p) for p in prompts]
-        return self._run(token_lists, params)
+        return self._run(token_lists, params, use_tqdm)
 
-    def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [self.apply_chat_template(c) for c in conversations]
-        return self.generate(token_lists, params)
+        return self.generate(token_lists, sampling_params, use_tqdm)
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         self._need_tokenizer()
@@ -77,16 +83,20 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
 
-    def _run(self, token_lists: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    def _run(self, token_lists: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         streams: dict[str, TextStream | None] = {}
-        order = []
-        for ids, p in zip(token_lists, params):
-            rid = str(next(self._ids))
-            self.engine.add_request(rid, ids, p)
-            results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None)])
-            streams[rid] = TextStream(self.tokenizer, p.stop) if self.tokenizer else None
-            order.append(rid)
+        try:
+            for ids, p in zip(token_lists, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, p)
+                results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None)])
+                streams[rid] = TextStream(self.tokenizer, p.stop) if self.tokenizer else None
+        except ValueError:
+            for rid in results:  # one bad prompt: none of this call's requests stay behind
+                self.engine.abort_request(rid)
+            raise
+        bar = tqdm(total=len(results), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 comp = results[out.request_id].outputs[0]
@@ -97,7 +107,10 @@ class LLM:
                     if stream.stopped and not out.finished:
                         self.engine.abort_request(out.request_id)
                         comp.finish_reason = "stop"
+                        bar.update()
                         continue
                 if out.finished:
                     comp.finish_reason = out.finish_reason
-        return [results[r] for r in order]
+                    bar.update()
+        bar.close()
+        return list(results.values())

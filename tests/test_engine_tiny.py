@@ -104,3 +104,14 @@ def test_sampler_top_p_keeps_only_the_nucleus():
     assert seen == {0}
     seen = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.85, seed=s)], [0])[0] for s in range(200)}
     assert seen == {0, 1}
+
+
+def test_llm_with_one_bad_prompt_leaves_nothing_behind():
+    from minipd import LLM
+
+    llm = LLM(model="tiny-random", kv_cache_tokens=256)
+    with pytest.raises(ValueError):
+        llm.generate([[5, 6, 7], [], [8, 9]], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out) == 1 and len(out[0].token_ids) == 3
