@@ -26,17 +26,18 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # separate projections, as in the checkpoint: fusing them measured no faster here (MKL, CPU)
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, k, *rope)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
 
@@ -44,13 +45,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -98,35 +98,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(x[logits_rows]))
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face Llama-layout tensors, fusing q/k/v and gate/up."""
-        w = {k.removeprefix("model."): v for k, v in weights.items()}
-        own = dict(self.named_parameters())
-        loaded = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            param = own[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-
-        put("embed_tokens.weight", w["embed_tokens.weight"])
-        put("norm.weight", w["norm.weight"])
-        for i in range(self.config.num_layers):
-            p = f"layers.{i}."
-            for part in ("weight", "bias"):
-                qkv = [w.get(f"{p}self_attn.{x}_proj.{part}") for x in "qkv"]
-                if qkv[0] is not None:
-                    put(f"{p}self_attn.qkv_proj.{part}", torch.cat(qkv))
-            put(f"{p}self_attn.o_proj.weight", w[f"{p}self_attn.o_proj.weight"])
-            gate, up = w[f"{p}mlp.gate_proj.weight"], w[f"{p}mlp.up_proj.weight"]
-            put(f"{p}mlp.gate_up_proj.weight", torch.cat([gate, up]))
-            put(f"{p}mlp.down_proj.weight", w[f"{p}mlp.down_proj.weight"])
-            put(f"{p}input_layernorm.weight", w[f"{p}input_layernorm.weight"])
-            put(f"{p}post_attention_layernorm.weight", w[f"{p}post_attention_layernorm.weight"])
-        if not self.config.tie_word_embeddings:
-            put("lm_head.weight", w["lm_head.weight"])
-        missing = set(own) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        """Load Hugging Face Llama-layout tensors (module names match, less the `model.` prefix)."""
+        state = {k.removeprefix("model."): v for k, v in weights.items()}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
         if missing:
-            raise ValueError(f"checkpoint lacks {sorted(missing)[:5]}")
+            raise ValueError(f"checkpoint lacks {missing[:5]}")
+        for name, tensor in state.items():
+            if name in own and own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(own[name].shape)}")
+        self.load_state_dict(state, strict=False, assign=False)
+        self.tie_weights()
