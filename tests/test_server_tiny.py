@@ -337,3 +337,22 @@ def test_ctrl_c_stops_cleanly():
     completion(s, [1, 2, 3], max_tokens=3)
     assert s.stop(signal.SIGINT) == 0
     assert s.leftovers() == ([], [])
+
+
+def test_a_handoff_past_its_lease_fails_the_request_and_frees_both_sides():
+    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
+                      "--kv-transport", "tcp", "--kv-link-gbps", "0.00002", "--kv-transfer-timeout", "0.5")  # fmt: skip
+    try:
+        status, err = s.post("/v1/completions", {"prompt": [5] * 10, "max_tokens": 5, "temperature": 0})
+        assert status == 500 and "did not finish within 0.5 s" in err["error"]["message"]
+        deadline = time.monotonic() + 10  # the slow sender finishes its 5 KB, then lets go of the blocks
+        while time.monotonic() < deadline:
+            workers = s.get("/admin/workers")[1]["workers"]
+            if all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers):
+                break
+            time.sleep(0.2)
+        assert all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers), workers
+        assert s.get("/health")[0] == 200
+    finally:
+        s.stop()
+    assert s.leftovers() == ([], [])

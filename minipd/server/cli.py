@@ -30,6 +30,8 @@ def add_serve_parser(sub, add_engine_args) -> None:
     s.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="bounded queue: requests beyond max-num-seqs per worker plus this many get 429")
+    s.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                   help="disagg: seconds a KV handoff may take before its request fails and its blocks are freed")
     s.add_argument("--log-level", default="info")
     add_engine_args(s)
     s.set_defaults(func=lambda args: run(args))
@@ -74,7 +76,7 @@ async def serve(args) -> None:
     max_model_len = min(max_pos, args.kv_cache_tokens)
     name = served_name(args.model)
     pool = WorkerPool(configs, args.kv_transport, args.kv_link_gbps, args.kv_link_latency_ms)
-    router = Router(pool, tokenizer, Metrics(name), args.max_waiting, args.max_num_seqs)
+    router = Router(pool, tokenizer, Metrics(name), args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout)
     api = Api(router, name, max_model_len)
     runner = web.AppRunner(api.app(), access_log=None)
     stop = asyncio.Event()

@@ -52,8 +52,9 @@ class Mode:
 
 class Router:
     def __init__(self, pool: WorkerPool, tokenizer, metrics: Metrics, max_waiting: int = 256,
-                 max_running_per_worker: int = 64):  # fmt: skip
+                 max_running_per_worker: int = 64, kv_transfer_timeout: float = 60.0):  # fmt: skip
         self.pool = pool
+        self.kv_transfer_timeout = kv_transfer_timeout  # a handoff's lease: past it, the request fails
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_waiting = max_waiting
@@ -205,14 +206,25 @@ class Router:
             state.events[msg.kind] = msg.time
             if msg.kind == "prefill_start":
                 self.metrics.queue_time.labels(self.metrics.model).observe(msg.time - state.arrival)
+            elif msg.kind == "transfer_start":
+                asyncio.get_running_loop().call_later(self.kv_transfer_timeout, self._transfer_lease_ended, state)
             elif msg.kind == "transfer_end":
                 state.kv_bytes, state.kv_seconds = msg.data["bytes"], msg.data["seconds"]
                 self.metrics.kv_bytes.labels(self.metrics.model).inc(state.kv_bytes)
                 self.metrics.kv_seconds.labels(self.metrics.model).observe(state.kv_seconds)
         elif isinstance(msg, m.RequestError):
-            self._end(state, error=msg.message)
-            for w in state.holders - {msg.worker_id}:
-                asyncio.get_running_loop().create_task(self.pool.send(w, m.Abort(state.request_id)))
+            self._fail(state, msg.message, skip=msg.worker_id)
+
+    def _transfer_lease_ended(self, state: RequestState) -> None:
+        if not state.finished and "transfer_end" not in state.events:
+            self._fail(state, f"the KV handoff did not finish within {self.kv_transfer_timeout:g} s")
+
+    def _fail(self, state: RequestState, message: str, skip: int | None = None) -> None:
+        """End a request with an error and free what every other worker holds for it."""
+        holders = state.holders - {skip}
+        self._end(state, error=message)
+        for w in holders:
+            asyncio.get_running_loop().create_task(self.pool.send(w, m.Abort(state.request_id)))
 
     def _on_tokens(self, state: RequestState, msg: m.Tokens) -> None:
         model = self.metrics.model
@@ -276,9 +288,7 @@ class Router:
                 log.error("worker %d (pid %s) died with exit code %s", w.worker_id, w.pid, w.process.exitcode)
                 self.dead.append(w.worker_id)
                 for state in [s for s in self.requests.values() if w.worker_id in s.holders]:
-                    self._end(state, error=f"worker {w.worker_id} died while serving this request")
-                    for other in state.holders - {w.worker_id}:
-                        await self.pool.send(other, m.Abort(state.request_id))
+                    self._fail(state, f"worker {w.worker_id} died while serving this request", skip=w.worker_id)
 
     # ---- modes ---------------------------------------------------------------------
     async def set_mode(self, mode: Mode, drain_timeout: float = 600.0) -> None:

@@ -108,10 +108,13 @@ class Worker:
                     self._drain(self.control, lambda frames: self.handle(m.decode(frames[0])))
                 if self.kv_in in events:
                     self._drain(self.kv_in, self.receive_kv)
-                for rid, error in self.sender.finished():
+                sent = self.sender.finished()
+                for rid, error in sent:
                     self.engine.release_handoff(rid)
                     if error:
                         self.send(m.RequestError(rid, self.id, error))
+                if sent:
+                    self.send_stats()
                 if self.engine.has_unfinished():
                     self.step()
         finally:
