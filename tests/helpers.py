@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
+from minipd.bench.server_process import ServerProcess
 from minipd.engine.engine import Engine
 from minipd.sampling_params import SamplingParams
 
@@ -41,3 +45,25 @@ def run_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
         for out in decode.step():
             outputs[out.request_id] += out.new_token_ids
     return [outputs[str(i)] for i in range(len(prompts))]
+
+
+@contextmanager
+def serving(*args: str):
+    """A real server for the block; afterwards no worker process and no shared memory may remain."""
+    server = ServerProcess(*args)
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert server.leftovers() == ([], [])
+
+
+def wait_for_idle_workers(server: ServerProcess, timeout: float) -> None:
+    """Until every worker reports no KV blocks in use and no request in flight."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = server.get("/admin/workers")[1]["workers"]
+        if all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers):
+            return
+        assert time.monotonic() < deadline, workers
+        time.sleep(0.2)

@@ -7,8 +7,8 @@ import openai
 import pytest
 
 from minipd import LLM, SamplingParams
-from minipd.bench.server_process import ServerProcess
 from tests.conftest import CHAT_PROMPTS
+from tests.helpers import serving
 
 pytestmark = pytest.mark.slow
 QUESTIONS = CHAT_PROMPTS + ["Name a colour.", "What is 2 + 2?"]
@@ -44,13 +44,9 @@ async def eight_streams(url: str) -> list[str]:
 
 def test_same_text_in_every_mode_and_across_switches(offline_texts):
     assert len(QUESTIONS) == 8
-    s = ServerProcess("--workers", "2", "--threads-per-worker", "1", "--mode", "colocated")
-    try:
+    with serving("--workers", "2", "--threads-per-worker", "1", "--mode", "colocated") as s:
         for mode in ({"mode": "colocated"}, {"mode": "chunked", "chunk_tokens": 16},
                      {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, {"mode": "colocated"}):  # fmt: skip
             status, got = s.post("/admin/mode", mode)
             assert status == 200 and got["mode"] == mode["mode"]
             assert asyncio.run(eight_streams(s.url)) == offline_texts, mode
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from minipd.bench.server_process import ServerProcess, http
 from minipd.models.loader import tiny_random_config
+from tests.helpers import serving, wait_for_idle_workers
 
 pytestmark = pytest.mark.slow
 TINY_KV_BYTES_PER_TOKEN = tiny_random_config().kv_bytes_per_token(4)
@@ -18,10 +19,8 @@ TINY_KV_BYTES_PER_TOKEN = tiny_random_config().kv_bytes_per_token(4)
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1")
-    yield s
-    s.stop()
-    assert s.leftovers() == ([], [])
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1") as s:
+        yield s
 
 
 def completion(server, prompt, **kw):
@@ -137,20 +136,13 @@ def test_client_disconnect_frees_the_blocks(server):
         await client.close()
 
     asyncio.run(go())
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        workers = server.get("/admin/workers")[1]["workers"]
-        if all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers):
-            break
-        time.sleep(0.2)
-    assert all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers), workers
+    wait_for_idle_workers(server, timeout=20)
 
 
 def test_backpressure_waits_for_a_decode_seat():
     """Decode KV room for 2 requests: the 3rd is not prefilled until a seat frees; all complete."""
-    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
-                      "--kv-cache-tokens", "64", "--block-size", "16")  # fmt: skip
-    try:
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
+                 "--kv-cache-tokens", "64", "--block-size", "16") as s:  # fmt: skip
         prompts = [[7 + i] * 30 for i in range(3)]  # 30 prompt tokens + 1 -> 2 blocks of 16: 2 seats fit in 4
 
         async def go():
@@ -169,15 +161,11 @@ def test_backpressure_waits_for_a_decode_seat():
         first_finish = min(t["events"]["finish"] for t in lines[:2])
         assert lines[2]["events"]["seat_reserved"] >= first_finish
         assert lines[2]["events"]["prefill_start"] >= first_finish
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])
 
 
 def test_tcp_transport_with_link_emulation_gives_the_same_tokens(server):
-    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
-                      "--kv-transport", "tcp", "--kv-link-gbps", "0.01", "--kv-link-latency-ms", "20")  # fmt: skip
-    try:
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
+                 "--kv-transport", "tcp", "--kv-link-gbps", "0.01", "--kv-link-latency-ms", "20") as s:  # fmt: skip
         prompt = [11, 12, 13] * 40
         got = completion(s, prompt, max_tokens=5, ignore_eos=True)
         server.post("/admin/mode", {"mode": "colocated"})
@@ -187,14 +175,10 @@ def test_tcp_transport_with_link_emulation_gives_the_same_tokens(server):
         size = len(prompt) * TINY_KV_BYTES_PER_TOKEN
         assert t["kv_transfer"]["bytes"] == size
         assert t["kv_transfer"]["seconds"] >= 0.02 + size * 8 / 0.01e9  # the emulated link was honoured
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])
 
 
 def test_a_dead_worker_fails_its_requests_and_health_says_so():
-    s = ServerProcess("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1")
-    try:
+    with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1") as s:
         async def go():
             client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
             try:
@@ -219,14 +203,10 @@ def test_a_dead_worker_fails_its_requests_and_health_says_so():
         assert s.get("/health")[0] == 503
         status, err = s.post("/v1/completions", {"prompt": "hi"})
         assert status == 503 and "died" in err["error"]["message"]
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])
 
 
 def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
-    s = ServerProcess("--model", "tiny-random", "--workers", "3", "--threads-per-worker", "1")
-    try:
+    with serving("--model", "tiny-random", "--workers", "3", "--threads-per-worker", "1") as s:
         prompts = [[9 + i, 2, 4000 - i] * (i + 2) for i in range(6)]
 
         async def run_all():
@@ -249,9 +229,6 @@ def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
             assert len({t["decode_worker"] for t in lines}) == d
         status, err = s.post("/admin/mode", {"mode": "disagg", "prefill_workers": 2, "decode_workers": 2})
         assert status == 400 and "P + D" in err["error"]["message"]
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])
 
 
 def test_switch_while_requests_stream_drains_them_and_loses_none(server):
@@ -294,9 +271,8 @@ def test_a_transport_that_cannot_work_on_the_device_is_refused():
 
 
 def test_overload_gets_429_and_the_rest_complete():
-    s = ServerProcess("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
-                      "--max-num-seqs", "1", "--max-waiting", "1")  # fmt: skip
-    try:
+    with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
+                 "--max-num-seqs", "1", "--max-waiting", "1") as s:  # fmt: skip
         async def go():
             client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
 
@@ -317,9 +293,6 @@ def test_overload_gets_429_and_the_rest_complete():
         assert results.count(429) >= 1 and results.count(30) >= 2, results
         assert set(results) <= {429, 30}
         assert completion(s, "after the rush", max_tokens=2)["usage"]["completion_tokens"] == 2
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])
 
 
 def test_workers_end_and_clean_up_when_the_main_process_is_killed():
@@ -340,19 +313,9 @@ def test_ctrl_c_stops_cleanly():
 
 
 def test_a_handoff_past_its_lease_fails_the_request_and_frees_both_sides():
-    s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
-                      "--kv-transport", "tcp", "--kv-link-gbps", "0.00002", "--kv-transfer-timeout", "0.5")  # fmt: skip
-    try:
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
+                 "--kv-transport", "tcp", "--kv-link-gbps", "0.00002", "--kv-transfer-timeout", "0.5") as s:  # fmt: skip
         status, err = s.post("/v1/completions", {"prompt": [5] * 10, "max_tokens": 5, "temperature": 0})
         assert status == 500 and "did not finish within 0.5 s" in err["error"]["message"]
-        deadline = time.monotonic() + 10  # the slow sender finishes its 5 KB, then lets go of the blocks
-        while time.monotonic() < deadline:
-            workers = s.get("/admin/workers")[1]["workers"]
-            if all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers):
-                break
-            time.sleep(0.2)
-        assert all(w["kv_blocks_used"] == 0 and w["inflight"] == 0 for w in workers), workers
+        wait_for_idle_workers(s, timeout=10)  # the slow sender finishes its 5 KB, then lets go of the blocks
         assert s.get("/health")[0] == 200
-    finally:
-        s.stop()
-    assert s.leftovers() == ([], [])
