@@ -319,3 +319,18 @@ def test_a_handoff_past_its_lease_fails_the_request_and_frees_both_sides():
         assert status == 500 and "did not finish within 0.5 s" in err["error"]["message"]
         wait_for_idle_workers(s, timeout=10)  # the slow sender finishes its 5 KB, then lets go of the blocks
         assert s.get("/health")[0] == 200
+
+
+def test_fields_real_clients_send_are_accepted(server):
+    status, body = server.post("/v1/chat/completions", {
+        "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "ignore_eos": True, "repetition_penalty": 1.0, "logprobs": None, "seed": 3, "stop": ["\n\n\n"],
+        "max_completion_tokens": 4, "temperature": 0.7, "top_p": 0.9, "n": 1, "presence_penalty": 0,
+        "frequency_penalty": 0.0, "stream": False, "stream_options": None, "best_of": 1,
+    })  # fmt: skip
+    assert status == 200, body
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 4
+    again = server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "seed": 3, "max_completion_tokens": 4,
+        "temperature": 0.7, "top_p": 0.9})[1]  # fmt: skip
+    assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]  # same seed
