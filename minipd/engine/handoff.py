@@ -25,7 +25,7 @@ class HandoffMeta:
         n = 1
         for d in self.kv_shape:
             n *= d
-        return n * torch.empty((), dtype=getattr(torch, self.kv_dtype)).element_size()
+        return n * getattr(torch, self.kv_dtype).itemsize
 
 
 @dataclass(slots=True)

@@ -29,7 +29,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
-        order = sorted(range(len(batch.seqs)), key=lambda i: not self._is_decode(batch, i))
+        decodes = [self._is_decode(batch, i) for i in range(len(batch.seqs))]
+        order = sorted(range(len(batch.seqs)), key=lambda i: not decodes[i])
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         samples = batch.samples()
@@ -44,7 +45,7 @@ class ModelRunner:
             slots += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in pos]
             if wants:
                 logits_rows.append(len(input_ids) - 1)
-        meta = self._metadata(seqs, counts, slots)
+        meta = self._metadata(seqs, counts, slots, num_decodes=sum(decodes))
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.model(tensor(input_ids), tensor(positions), self.kv_cache, meta, tensor(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
@@ -58,9 +59,9 @@ class ModelRunner:
     def _is_decode(batch: ScheduledBatch, i: int) -> bool:
         return batch.num_new_tokens[i] == 1 and batch.seqs[i].num_computed_tokens > 0
 
-    def _metadata(self, seqs, counts, slots) -> AttentionMetadata:
+    def _metadata(self, seqs, counts, slots, num_decodes: int) -> AttentionMetadata:
+        """seqs are ordered decodes first: the first num_decodes rows are one-token decodes."""
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
-        num_decodes = sum(1 for s, n in zip(seqs, counts) if n == 1 and s.num_computed_tokens > 0)
         if num_decodes:
             ctx = [s.num_computed_tokens + 1 for s in seqs[:num_decodes]]
             meta.num_decodes = num_decodes
