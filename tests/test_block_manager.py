@@ -26,18 +26,35 @@ def test_allocate_free_refcount():
     bm.check_integrity()
 
 
-def test_reservation_allocates_ahead_then_is_claimed_or_released():
+def test_a_seat_allocates_ahead_then_is_claimed_or_released():
     bm = BlockManager(10, 4)
-    seat = bm.reserve("r1", 6)
-    assert len(seat) == 6 and bm.num_free == 4 and bm.num_reserved == 6
-    assert bm.reserve("r2", 5) is None and bm.num_free == 4  # no room: nothing taken
+    seat = bm.add_seat("r1", 6)
+    assert len(seat) == 6 and bm.num_free == 4 and bm.num_seated == 6
+    assert bm.add_seat("r2", 5) is None and bm.num_free == 4  # no room: nothing taken
     with pytest.raises(ValueError):
-        bm.reserve("r1", 1)
-    assert bm.claim("r1") == seat and bm.num_reserved == 0 and bm.num_used == 6
+        bm.add_seat("r1", 1)
+    assert bm.claim_seat("r1") == seat and bm.num_seated == 0 and bm.num_used == 6
     bm.free(seat)
-    bm.reserve("r3", 3)
-    assert bm.release("r3") == 3 and bm.release("r3") == 0
+    bm.add_seat("r3", 3)
+    assert bm.release_seat("r3") == 3 and bm.release_seat("r3") == 0
     assert bm.num_used == 0
+    bm.check_integrity()
+
+
+def test_headroom_booked_with_a_seat_is_kept_for_its_owner():
+    bm = BlockManager(10, 4)
+    assert bm.add_seat("a", 2, headroom=5) is not None
+    assert bm.num_free == 8 and bm.num_available == 3
+    assert bm.add_seat("b", 2, headroom=2) is None  # 4 > 3 available: the booking is respected
+    assert not bm.can_allocate(4) and bm.can_allocate(4, owner="a")
+    bm.claim_seat("a")
+    grown = bm.allocate(4, owner="a")  # taken out of a's booking
+    assert bm.num_booked == 1 and bm.num_available == 3
+    other = bm.allocate(3)
+    assert not bm.can_allocate(1) and bm.can_allocate(1, owner="a")
+    bm.drop_booking("a")
+    assert bm.num_booked == 0 and bm.num_available == 1
+    bm.free(grown + other)
     bm.check_integrity()
 
 

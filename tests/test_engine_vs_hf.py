@@ -34,5 +34,5 @@ def test_export_import_matches_hf(default_model, chat_prompt_ids, hf_greedy):
     decode = make_engine(default_model, role="decode", kv_cache_tokens=4096)
     assert run_disaggregated(prefill, decode, chat_prompt_ids, GREEDY) == hf_greedy
     for e in (prefill, decode):
-        assert e.blocks.num_used == 0 and e.blocks.num_reserved == 0
+        assert e.blocks.num_used == 0 and e.blocks.num_seated == 0
         e.blocks.check_integrity()

@@ -88,13 +88,13 @@ def test_preemption_recomputes_and_frees():
     assert preempted and s.num_unfinished == 0 and s.blocks.num_used == 0
 
 
-def test_abort_frees_blocks_and_reservation():
+def test_abort_frees_blocks_and_booking():
     s = make()
     s.add(seq("a", 9))
     run_step(s)
-    s.blocks.reserve("a", 3)
+    s.blocks._booked["a"] = 2  # as if it had come with a seat's headroom
     assert s.abort("a").finish_reason == "abort"
-    assert s.blocks.num_used == 0 and s.blocks.num_reserved == 0
+    assert s.blocks.num_used == 0 and s.blocks.num_booked == 0
     assert s.abort("nope") is None
 
 
@@ -116,3 +116,19 @@ def test_abort_during_a_handoff_keeps_the_blocks_until_released():
     assert s.blocks.num_used == 2  # a sender may still be reading them
     s.release_handoff("a")
     assert s.blocks.num_used == 0 and s.find("a") is None
+
+
+def test_chunked_never_starves_a_reply_or_a_prompt():
+    """More replies running than the budget: before the fix the newest replies and every prompt
+    got nothing. Now every reply advances each step and a prompt gets at least a quarter."""
+    p = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    s = make("chunked", chunk=8, blocks=256, max_num_seqs=32)
+    for i in range(12):
+        s.add(seq(f"r{i}", 2, p))
+    while any(x.in_prefill for x in (*s.running, *s.waiting)):
+        run_step(s)
+    s.add(seq("long", 40, p))
+    batch = run_step(s)
+    decoded = {x.request_id for x, n in zip(batch.seqs, batch.num_new_tokens) if n == 1}
+    assert decoded == {f"r{i}" for i in range(12)}
+    assert dict(zip([x.request_id for x in batch.seqs], batch.num_new_tokens))["long"] == 2  # 8 // 4

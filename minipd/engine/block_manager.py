@@ -14,9 +14,10 @@ class OutOfBlocks(RuntimeError):
 class BlockManager:
     """Hands out KV blocks by id. Torch-free: it only counts.
 
-    A reservation allocates blocks ahead for a future owner (a decode seat in disagg: the
-    prefill worker writes the prompt's KV straight into these blocks). `claim` hands them to
-    the owner; `release` frees them if the owner never comes.
+    A seat is a set of blocks allocated ahead for a request whose KV a peer will write (the decode
+    side of a handoff). A seat may also book headroom: blocks promised to that request's later
+    growth, which no one else may take, so that decoding never has to preempt (vLLM's watermark,
+    SGLang's reserved decode tokens). Blocks booked by an owner are taken first when it grows.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -26,7 +27,8 @@ class BlockManager:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
-        self._reserved: dict[str, list[int]] = {}
+        self._seats: dict[str, list[int]] = {}
+        self._booked: dict[str, int] = {}  # owner -> blocks promised but not yet allocated
 
     @property
     def num_free(self) -> int:
@@ -34,19 +36,30 @@ class BlockManager:
 
     @property
     def num_used(self) -> int:
-        """Blocks not free, reserved ones included."""
+        """Blocks not free, seats included."""
         return self.num_blocks - len(self._free)
 
     @property
-    def num_reserved(self) -> int:
-        return sum(len(ids) for ids in self._reserved.values())
+    def num_seated(self) -> int:
+        return sum(len(ids) for ids in self._seats.values())
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+    @property
+    def num_booked(self) -> int:
+        return sum(self._booked.values())
 
-    def allocate(self, n: int) -> list[int]:
-        if not self.can_allocate(n):
-            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
+    @property
+    def num_available(self) -> int:
+        """Free blocks that nobody has booked."""
+        return len(self._free) - self.num_booked
+
+    def can_allocate(self, n: int, owner: str | None = None) -> bool:
+        return n <= self.num_available + self._booked.get(owner, 0)
+
+    def allocate(self, n: int, owner: str | None = None) -> list[int]:
+        if not self.can_allocate(n, owner):
+            raise OutOfBlocks(f"need {n} blocks, {self.num_available} available")
+        if owner in self._booked:
+            self._use_booking(owner, n)
         ids = [self._free.popleft() for _ in range(n)]
         for i in ids:
             self._ref_counts[i] = 1
@@ -66,30 +79,46 @@ class BlockManager:
             if self._ref_counts[i] == 0:
                 self._free.append(i)
 
-    def reserve(self, key: str, n: int) -> list[int] | None:
-        """Allocate n blocks ahead for `key`; None (nothing taken) if there is no room."""
-        if key in self._reserved:
-            raise ValueError(f"reservation {key!r} already exists")
-        if not self.can_allocate(n):
+    def drop_booking(self, owner: str) -> None:
+        self._booked.pop(owner, None)
+
+    def _use_booking(self, owner: str, n: int) -> None:
+        left = self._booked[owner] - n
+        if left > 0:
+            self._booked[owner] = left
+        else:
+            del self._booked[owner]
+
+    # ---- seats ----------------------------------------------------------------------
+    def add_seat(self, key: str, n: int, headroom: int = 0) -> list[int] | None:
+        """Allocate n blocks now for `key` and book `headroom` more for its growth.
+        None (nothing taken) if there is no room for both."""
+        if key in self._seats or key in self._booked:
+            raise ValueError(f"seat {key!r} already exists")
+        if n + headroom > self.num_available:
             return None
-        self._reserved[key] = self.allocate(n)
-        return list(self._reserved[key])
+        self._seats[key] = self.allocate(n)
+        if headroom:
+            self._booked[key] = headroom
+        return list(self._seats[key])
 
-    def claim(self, key: str) -> list[int]:
-        """The reserved blocks, now owned by the caller (who frees them later)."""
-        return self._reserved.pop(key)
+    def claim_seat(self, key: str) -> list[int]:
+        """The seat's blocks, now owned by the caller (who frees them later); its booking stays
+        with `key`, which must be the owner's name when it grows."""
+        return self._seats.pop(key)
 
-    def release(self, key: str) -> int:
-        """Free a reservation nobody claimed; returns how many blocks that was."""
-        ids = self._reserved.pop(key, [])
+    def release_seat(self, key: str) -> int:
+        """Free a seat nobody claimed and its booking; returns how many blocks that was."""
+        ids = self._seats.pop(key, [])
+        self.drop_booking(key)
         self.free(ids)
         return len(ids)
 
-    def reserved_blocks(self, key: str) -> list[int]:
-        return self._reserved[key]
+    def seat_blocks(self, key: str) -> list[int]:
+        return self._seats[key]
 
-    def has_reservation(self, key: str) -> bool:
-        return key in self._reserved
+    def has_seat(self, key: str) -> bool:
+        return key in self._seats
 
     def check_integrity(self) -> None:
         free = set(self._free)
@@ -98,5 +127,7 @@ class BlockManager:
             assert rc >= 0, f"block {i} has ref count {rc}"
             assert (rc == 0) == (i in free), f"block {i}: ref count {rc} but free={i in free}"
         assert len(self._free) + self.num_used == self.num_blocks
-        reserved = [i for ids in self._reserved.values() for i in ids]
-        assert len(reserved) == len(set(reserved)) and not free.intersection(reserved)
+        seated = [i for ids in self._seats.values() for i in ids]
+        assert len(seated) == len(set(seated)) and not free.intersection(seated)
+        assert all(b > 0 for b in self._booked.values()), "an empty booking was kept"
+        assert self.num_booked <= len(self._free), "more blocks booked than free"

@@ -7,7 +7,7 @@ import torch
 
 from minipd.config import EngineConfig
 from minipd.engine.block_manager import BlockManager, blocks_for
-from minipd.engine.handoff import KVHandoff
+from minipd.engine.handoff import HandoffMeta, KVHandoff, KVSlots
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.scheduler import Scheduler, SchedulerConfig
 from minipd.engine.sequence import Sequence, SequenceStatus
@@ -21,14 +21,25 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    handoff: bool = False  # prefill role: first token made, KV ready to export
+    handoff: bool = False  # prefill role: first token made, KV ready to hand off
 
 
 @dataclass(slots=True)
 class StepStats:
+    start: float = 0.0  # wall clock (time.time) when the step began
     duration: float = 0.0
     num_preempted: int = 0
+    prefill_tokens: int = 0  # prompt (or recomputed) tokens read this step
+    num_decodes: int = 0  # sequences that advanced by one token
     prefilling: list[str] = field(default_factory=list)  # requests that read prompt tokens this step
+
+
+class StepFailed(RuntimeError):
+    """The model step raised; the requests it carried were aborted (their blocks are free)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed for {request_ids}: {cause!r}")
+        self.request_ids, self.cause = request_ids, cause
 
 
 class Engine:
@@ -55,13 +66,18 @@ class Engine:
         self.last_step = StepStats()
 
     # ---- requests ----------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    output_token_ids: list[int] = ()) -> None:  # fmt: skip
+        """output_token_ids: tokens this request already produced elsewhere (it is being redone);
+        they are recomputed with the prompt and sampling goes on from there."""
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         vocab = self.model.config.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        self.scheduler.add(Sequence.new(request_id, prompt_token_ids, params))
+        if any(not (0 <= t < vocab) for t in (*prompt_token_ids, *output_token_ids)):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        seq = Sequence.new(request_id, prompt_token_ids, params)
+        seq.token_ids += output_token_ids
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id) is not None
@@ -70,14 +86,22 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[StepOutput]:
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         batch = self.scheduler.schedule()
-        stats = StepStats(num_preempted=len(batch.preempted))
+        stats = StepStats(start=wall, num_preempted=len(batch.preempted))
+        self.last_step = stats
         if batch.is_empty:
-            self.last_step = stats
             return []
-        sampled = self.runner.run(batch)
-        stats.prefilling = [s.request_id for s in batch.seqs if s.in_prefill]
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as err:
+            ids = [s.request_id for s in batch.seqs]
+            for rid in ids:
+                self.scheduler.abort(rid)
+            raise StepFailed(ids, err) from err
+        stats.prefilling = [s.request_id for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill]
+        stats.prefill_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill)
+        stats.num_decodes = len(batch.seqs) - len(stats.prefilling)
         self.scheduler.postprocess(batch, sampled)
         outputs = [
             StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,
@@ -85,7 +109,6 @@ class Engine:
             for seq, token in zip(batch.seqs, sampled) if token is not None
         ]  # fmt: skip
         stats.duration = time.perf_counter() - started
-        self.last_step = stats
         return outputs
 
     # ---- settings that change at run time ---------------------------------------------
@@ -96,40 +119,51 @@ class Engine:
             cfg.chunk_tokens = chunk_tokens
         cfg.__post_init__()
 
+    def is_drained(self) -> bool:
+        return not (self.scheduler.num_unfinished or self.scheduler.handoffs or self.blocks.num_seated)
+
     def set_role(self, role: str) -> None:
-        if self.scheduler.num_unfinished or self.scheduler.handoffs:
+        if not self.is_drained():
             raise RuntimeError("change the role only when the engine is drained")
         self.scheduler.config.role = role
         self.scheduler.config.__post_init__()
 
-    # ---- KV handoff ----------------------------------------------------------------
-    def export_handoff(self, request_id: str) -> KVHandoff:
+    # ---- prefill side of a handoff ------------------------------------------------------
+    def handoff_meta(self, request_id: str) -> HandoffMeta:
+        return HandoffMeta.of(self.scheduler.handoffs[request_id], self.runner.kv_cache)
+
+    def handoff_kv(self, request_id: str) -> KVSlots:
         seq = self.scheduler.handoffs[request_id]
-        kv = self.runner.export_kv(seq.block_table, seq.num_computed_tokens)
-        return KVHandoff.from_sequence(seq, self.runner.kv_cache, kv)
+        return KVSlots(self.runner.kv_cache, seq.block_table, seq.num_computed_tokens, self.blocks.block_size)
+
+    def export_handoff(self, request_id: str) -> KVHandoff:
+        return KVHandoff(self.handoff_meta(request_id), self.handoff_kv(request_id).read())
 
     def release_handoff(self, request_id: str) -> None:
         self.scheduler.release_handoff(request_id)
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.blocks.block_size)
+    # ---- decode side: seats --------------------------------------------------------------
+    def add_seat(self, request_id: str, num_tokens: int, headroom_tokens: int = 0) -> list[int] | None:
+        """Blocks allocated ahead for a prompt's KV and its first decode step, plus a booking for
+        headroom_tokens more. Their ids (where a peer may write the KV), or None if there is no room."""
+        bs = self.blocks.block_size
+        now = blocks_for(num_tokens + 1, bs)
+        headroom = max(0, blocks_for(num_tokens + 1 + headroom_tokens, bs) - now)
+        return self.blocks.add_seat(request_id, now, headroom)
 
-    def reserve_seat(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Decode side: allocate blocks ahead for a prompt's KV plus its first decode step.
-        Returns their ids (where a peer may write the KV directly), or None if there is no room."""
-        return self.blocks.reserve(request_id, self.blocks_for_tokens(num_tokens + 1))
+    def seat_kv(self, request_id: str, num_tokens: int) -> KVSlots:
+        return KVSlots(self.runner.kv_cache, self.blocks.seat_blocks(request_id), num_tokens, self.blocks.block_size)
 
-    def write_seat(self, request_id: str, part: int, kv: torch.Tensor) -> None:
-        """Write one (K/V, layer) part of a prompt's KV into its reserved seat."""
-        self.runner.write_kv_part(self.blocks.reserved_blocks(request_id), part, kv)
+    def release_seat(self, request_id: str) -> int:
+        return self.blocks.release_seat(request_id)
 
-    def import_handoff(self, handoff: KVHandoff, kv_written: bool = False) -> None:
-        """Continue a prefilled request in its seat. kv_written: the peer already wrote the KV
-        into the seat's blocks (shared cache); otherwise copy handoff.kv in."""
-        seq = handoff.to_sequence()
-        seq.block_table = self.blocks.claim(seq.request_id)
-        if not kv_written:
-            self.runner.import_kv(seq.block_table, handoff.kv)
+    def import_handoff(self, meta: HandoffMeta, kv: torch.Tensor | None = None) -> None:
+        """Run a prefilled request in its seat. kv: copy it into the seat first; None: a peer already
+        wrote it there."""
+        seq = meta.to_sequence()
+        if kv is not None:
+            self.seat_kv(seq.request_id, seq.num_computed_tokens).write(kv)
+        seq.block_table = self.blocks.claim_seat(seq.request_id)
         self.scheduler.add_imported(seq)
 
     def num_running(self) -> int:

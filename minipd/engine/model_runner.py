@@ -92,22 +92,3 @@ class ModelRunner:
             tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
         pos = torch.arange(length)
         return (tables[:, pos // bs] * bs + pos % bs).to(self.device)
-
-    def slots_of(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        pos = torch.arange(num_tokens)
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.device)
-
-    def export_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """(2, layers, num_tokens, kv_heads, head_dim): exactly the KV of the first num_tokens."""
-        return self.kv_cache.index_select(2, self.slots_of(block_table, num_tokens))
-
-    def import_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
-        """kv: (2, layers, tokens, kv_heads, head_dim)."""
-        for part, layer_kv in enumerate(kv.flatten(0, 1)):
-            self.write_kv_part(block_table, part, layer_kv)
-
-    def write_kv_part(self, block_table: list[int], part: int, kv: torch.Tensor) -> None:
-        """One (K/V, layer) part, (tokens, kv_heads, head_dim); part = kind * layers + layer."""
-        slots = self.slots_of(block_table, kv.shape[0])
-        self.kv_cache.flatten(0, 1)[part].index_copy_(0, slots, kv.to(device=self.device, dtype=self.dtype))

@@ -30,6 +30,6 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     generator = None
     if p.seed is not None:
-        generator = torch.Generator().manual_seed((p.seed * 1_000_003 + index) % (2**63))
+        generator = torch.Generator(device=probs.device).manual_seed((p.seed * 1_000_003 + index) % (2**63))
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return int((probs / noise).argmax())

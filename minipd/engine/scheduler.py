@@ -7,6 +7,7 @@ from minipd.engine.block_manager import BlockManager, blocks_for
 from minipd.engine.sequence import Sequence, SequenceStatus
 
 POLICIES = ("prefill_first", "chunked")
+PREFILL_FLOOR_SHARE = 4  # chunked: a step carries at least chunk_tokens / 4 prompt tokens, however many replies
 ROLES = ("both", "prefill", "decode")
 
 
@@ -63,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.handoffs: dict[str, Sequence] = {}
+        self.num_preempted = 0  # since start
 
     # ---- admission -------------------------------------------------------------
     def check_admissible(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
@@ -94,7 +96,6 @@ class Scheduler:
         return self.handoffs.get(request_id)
 
     def abort(self, request_id: str) -> Sequence | None:
-        self.blocks.release(request_id)
         seq = self.find(request_id)
         if seq is None:
             return None
@@ -125,12 +126,13 @@ class Scheduler:
         return self._schedule_prefill_first()
 
     def _schedule_prefill_first(self) -> ScheduledBatch:
+        """Prompts are read whole, before any running reply goes on: the stall, on purpose."""
         batch = ScheduledBatch()
         token_cap = self.config.max_num_batched_tokens
-        for seq in [s for s in self.running if s.in_prefill]:
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if batch.seqs and batch.num_tokens + seq.num_uncomputed_tokens > token_cap:
                 break
-            if self._grow(seq, seq.num_uncomputed_tokens, batch):
+            if seq.status is SequenceStatus.RUNNING and self._grow(seq, seq.num_uncomputed_tokens, batch):
                 batch.add(seq, seq.num_uncomputed_tokens)
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
@@ -142,21 +144,21 @@ class Scheduler:
             batch.add(seq, n)
         if batch.seqs:
             return batch
-        for seq in list(self.running):
-            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
-                batch.add(seq, 1)
+        self._add_decodes(batch)
         return batch
 
     def _schedule_chunked(self) -> ScheduledBatch:
+        """Every running reply gets its token each step; prompts get the rest of the budget in
+        chunks, and never less than a floor, so neither a reply nor a prompt starves."""
         batch = ScheduledBatch()
-        budget = self.config.chunk_tokens
-        decodes = [s for s in self.running if not s.in_prefill]
-        prefills = [s for s in self.running if s.in_prefill]
-        for seq in decodes + prefills:
+        self._add_decodes(batch)
+        chunk = self.config.chunk_tokens
+        budget = max(chunk - len(batch.seqs), max(1, chunk // PREFILL_FLOOR_SHARE))
+        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+                continue  # preempted earlier in this step
             n = min(seq.num_uncomputed_tokens, budget)
             if self._grow(seq, n, batch):
                 batch.add(seq, n)
@@ -170,12 +172,17 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _add_decodes(self, batch: ScheduledBatch) -> None:
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
+                batch.add(seq, 1)
+
     def _admit(self, seq: Sequence, n: int) -> bool:
         need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
-        if not self.blocks.can_allocate(need):
+        if not self.blocks.can_allocate(need, seq.request_id):
             return False
         self.waiting.popleft()
-        seq.block_table += self.blocks.allocate(need)
+        seq.block_table += self.blocks.allocate(need, seq.request_id)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return True
@@ -184,7 +191,7 @@ class Scheduler:
         """Make room for n more tokens of a running seq, preempting the newest others if needed.
         Returns False if seq itself had to be preempted."""
         need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
-        while not self.blocks.can_allocate(need):
+        while not self.blocks.can_allocate(need, seq.request_id):
             victim = self.running[-1]
             if victim in batch.seqs:
                 return False  # everyone left is already in this step; try again next step
@@ -192,12 +199,13 @@ class Scheduler:
             if victim is seq:
                 return False
         if need > 0:
-            seq.block_table += self.blocks.allocate(need)
+            seq.block_table += self.blocks.allocate(need, seq.request_id)
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self._free(seq)
+        self.num_preempted += 1
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -245,6 +253,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _free(self, seq: Sequence) -> None:
+        self.blocks.drop_booking(seq.request_id)
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
