@@ -1,14 +1,18 @@
 """KV transfer pieces, in one process over real ZeroMQ sockets."""
 
+import dataclasses
 import time
 
 import torch
 import zmq
 
+from minipd.engine.handoff import KVSlots
 from minipd.sampling_params import SamplingParams
-from minipd.transfer.channel import KVReceiver, KVSender, Peer
 from minipd.transfer.link import LinkEmulator
 from minipd.transfer.peer_cache import block_runs, copy_blocks
+from minipd.transfer.receiver import SeatTable
+from minipd.transfer.sender import KVSender
+from minipd.transfer.wire import Peer
 from tests.conftest import make_engine
 
 
@@ -20,7 +24,7 @@ def test_block_runs_merge_consecutive_pairs():
 def test_copy_blocks_moves_exactly_the_prompt_slots():
     src = torch.randn(2, 3, 8 * 4, 2, 5)
     dst = torch.zeros_like(src)
-    copy_blocks(src, [6, 7, 2], dst, [1, 2, 5], num_tokens=10, block_size=4)
+    copy_blocks(KVSlots(src, [6, 7, 2], 10, 4), dst, [1, 2, 5])
     for s, d, n in ((6, 1, 4), (7, 2, 4), (2, 5, 2)):
         assert torch.equal(dst[:, :, d * 4 : d * 4 + n], src[:, :, s * 4 : s * 4 + n])
 
@@ -41,23 +45,52 @@ def test_tcp_handoff_writes_the_prefill_kv_into_the_decode_seat(tiny_model):
     prefill.add_request("r", prompt, params)
     while not prefill.scheduler.handoffs:
         prefill.step()
-    seat = decode.reserve_seat("r", len(prompt))
+    seats = SeatTable(decode, worker_id=1, in_place=False)
+    seat = seats.reserve("r", len(prompt), 0, writer=0)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     port = inbox.bind_to_random_port("tcp://127.0.0.1")
     sender = KVSender(ctx, "tcp", LinkEmulator(gbps=1.0))
     try:
-        n = sender.send(prefill, "r", Peer(f"tcp://127.0.0.1:{port}"), seat, {})
-        assert n == len(prompt) * tiny_model.config.kv_bytes_per_token(4)
-        receiver, done = KVReceiver(), None
-        while done is None:
-            done = receiver.on_message(inbox.recv_multipart(), decode, lambda rid: True)
+        meta = prefill.handoff_meta("r")
+        assert meta.num_bytes == len(prompt) * tiny_model.config.kv_bytes_per_token(4)
+        sender.write("r", prefill.handoff_kv("r"), dataclasses.asdict(meta), Peer(f"tcp://127.0.0.1:{port}"), seat,
+                     {"start": time.time()})  # fmt: skip
+        arrival = None
+        while arrival is None:
+            arrival = seats.on_message(inbox.recv_multipart())
+        assert arrival.imported and arrival.meta.token_ids == meta.token_ids
         deadline = time.monotonic() + 5
         while not (finished := sender.finished()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert finished == [("r", None)]
-        src = prefill.runner.export_kv(prefill.scheduler.handoffs["r"].block_table, len(prompt))
-        assert torch.equal(decode.runner.export_kv(seat, len(prompt)), src)
+        src = prefill.handoff_kv("r").read()
+        got = decode.scheduler.find("r")
+        assert torch.equal(KVSlots(decode.runner.kv_cache, got.block_table, len(prompt), 16).read(), src)
+    finally:
+        sender.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_send_to_a_reader_that_is_gone_fails_within_its_deadline(tiny_model):
+    """Defect: the sender thread blocked forever when the decode worker had died."""
+    prefill = make_engine(tiny_model, role="prefill")
+    prefill.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    while not prefill.scheduler.handoffs:
+        prefill.step()
+    ctx = zmq.Context()
+    sender = KVSender(ctx, "tcp", timeout=0.5)
+    try:
+        sock = ctx.socket(zmq.PULL)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        sock.close(linger=0)  # nobody listens there any more
+        started = time.monotonic()
+        sender.write("r", prefill.handoff_kv("r"), dataclasses.asdict(prefill.handoff_meta("r")),
+                     Peer(f"tcp://127.0.0.1:{port}"), [0], {"start": time.time()})  # fmt: skip
+        while not (finished := sender.finished()):
+            assert time.monotonic() - started < 5, "the sender is stuck"
+            time.sleep(0.02)
+        assert finished[0][0] == "r" and "did not take the KV within 0.5 s" in finished[0][1]
     finally:
         sender.close()
         ctx.destroy(linger=0)

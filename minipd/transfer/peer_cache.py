@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from minipd.engine.handoff import KVSlots
 from minipd.transfer import shm
 
 
@@ -24,10 +25,19 @@ class PeerCaches:
             return self._open[name][1]
         if name not in self._open:
             segment = shm.open_segment(name)
-            view = shm.tensor_view(segment, shape, getattr(torch, dtype))
+            view = tensor_view(segment, shape, getattr(torch, dtype))
             view.view(torch.uint8).view(-1)[::4096].sum()  # map every page now, not during a handoff
             self._open[name] = (segment, view)
         return self._open[name][1]
+
+    def drop(self, name: str) -> None:
+        """Forget a peer's cache (the peer is gone; a new one gets a new name)."""
+        segment, _ = self._open.pop(name, (None, None))
+        try:
+            if segment is not None:
+                segment.close()
+        except BufferError:
+            pass  # a view is still alive; the mapping goes when it does
 
     def close(self) -> None:
         for segment, _ in self._open.values():
@@ -37,6 +47,13 @@ class PeerCaches:
             except BufferError:
                 pass  # a view is still alive; the mapping goes with the process
         self._open.clear()
+
+
+def tensor_view(segment, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    count = 1
+    for d in shape:
+        count *= d
+    return torch.frombuffer(segment.buf, dtype=dtype, count=count).view(shape)
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -50,14 +67,17 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def copy_blocks(src_cache: torch.Tensor, src_blocks: list[int], dst_cache: torch.Tensor, dst_blocks: list[int],
-                num_tokens: int, block_size: int) -> None:  # fmt: skip
-    """Copy the KV of the first num_tokens from src blocks to dst blocks, cache to cache."""
-    n_blocks = -(-num_tokens // block_size)
+def copy_blocks(src: KVSlots, dst_cache: torch.Tensor, dst_blocks: list[int], hook=None) -> None:
+    """Copy the KV of src's tokens into dst_blocks of dst_cache, block run by block run.
+    hook(): called before each run (tests use it to slow the copy down)."""
+    bs = src.block_size
+    n_blocks = -(-src.num_tokens // bs)
     if len(dst_blocks) < n_blocks:
         raise ValueError(f"the seat has {len(dst_blocks)} blocks; the KV needs {n_blocks}")
-    kv, layers, _, heads, dim = src_cache.shape
-    src = src_cache.view(kv, layers, -1, block_size, heads, dim)
-    dst = dst_cache.view(kv, layers, -1, block_size, heads, dim)
-    for s, d, n in block_runs(src_blocks[:n_blocks], dst_blocks[:n_blocks]):
-        dst[:, :, d : d + n].copy_(src[:, :, s : s + n])
+    kv, layers, _, heads, dim = src.cache.shape
+    s = src.cache.view(kv, layers, -1, bs, heads, dim)
+    d = dst_cache.view(kv, layers, -1, bs, heads, dim)
+    for a, b, n in block_runs(src.blocks[:n_blocks], dst_blocks[:n_blocks]):
+        if hook is not None:
+            hook()
+        d[:, :, b : b + n].copy_(s[:, :, a : a + n])

@@ -1,6 +1,6 @@
-"""KV handoff through POSIX shared memory (CPU, same host): the prefill worker writes the prompt's
-KV straight from its cache into a named segment; the decode worker maps it, copies it into its own
-cache and unlinks it."""
+"""Named POSIX shared-memory segments (torch-free): with the shm transport each worker's KV cache
+lives in one, so that a prefill worker can write a prompt's KV straight into a decode worker's
+cache. The worker that creates a segment unlinks it; the server removes what a dead one left."""
 
 from __future__ import annotations
 
@@ -8,28 +8,19 @@ import glob
 import os
 from multiprocessing import resource_tracker, shared_memory
 
-import torch
-
 PREFIX = "minipd_"
 
 
-def segment_name(tag: str, request_id: str) -> str:
-    safe = "".join(c if c.isalnum() else "_" for c in request_id)
+def segment_name(tag: str, name: str) -> str:
+    safe = "".join(c if c.isalnum() else "_" for c in name)
     return f"{PREFIX}{tag}_{safe}"[:250]
 
 
 def create(name: str, num_bytes: int) -> shared_memory.SharedMemory:
     shm = shared_memory.SharedMemory(name=name, create=True, size=max(num_bytes, 1))
-    # the reader unlinks it; the creator's tracker must not unlink it again at exit
+    # we unlink it ourselves (or the server does if we die): the tracker must not do it again
     resource_tracker.unregister(shm._name, "shared_memory")
     return shm
-
-
-def tensor_view(shm: shared_memory.SharedMemory, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    count = 1
-    for d in shape:
-        count *= d
-    return torch.frombuffer(shm.buf, dtype=dtype, count=count).view(shape)
 
 
 def open_segment(name: str) -> shared_memory.SharedMemory:
@@ -48,7 +39,7 @@ def unlink(segment: shared_memory.SharedMemory) -> None:
 
 
 def unlink_all(tag: str) -> list[str]:
-    """Remove every segment a server left behind (a worker died mid-handoff). Returns their names."""
+    """Remove every segment a server's workers left behind. Returns their names."""
     left = glob.glob(f"/dev/shm/{PREFIX}{tag}_*")
     for path in left:
         try:
