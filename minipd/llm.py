@@ -8,8 +8,8 @@ from tqdm import tqdm
 from minipd.config import EngineConfig
 from minipd.detokenizer import TextStream
 from minipd.engine.engine import Engine
-from minipd.models.loader import load_tokenizer
 from minipd.sampling_params import SamplingParams
+from minipd.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)

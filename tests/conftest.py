@@ -5,7 +5,9 @@ import torch
 
 from minipd.config import EngineConfig
 from minipd.engine.engine import Engine
-from minipd.models.loader import load_model, load_tokenizer, resolve
+from minipd.models.files import resolve
+from minipd.models.loader import load_model
+from minipd.tokenizer import load_tokenizer
 
 torch.set_num_threads(2)
 
@@ -60,3 +62,10 @@ def tiny_model():
 
 def make_engine(model, **kw) -> Engine:
     return Engine(EngineConfig(model="tiny-random" if model.config.num_layers == 2 else None, **kw), model=model)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_logs_under_tmp_path(tmp_path_factory):
+    from minipd.bench.server_process import ServerProcess
+
+    ServerProcess.log_dir = str(tmp_path_factory.mktemp("server-logs"))

@@ -2,7 +2,7 @@ import pytest
 
 from minipd import LLM, SamplingParams
 from minipd.detokenizer import IncrementalDetokenizer, TextStream
-from minipd.models.loader import INSTALL_HINT, ModelNotFound, default_gguf_path
+from minipd.models.files import INSTALL_HINT, ModelNotFound, default_gguf_path
 
 pytestmark = pytest.mark.slow
 
