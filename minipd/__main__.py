@@ -1,15 +1,18 @@
+"""python -m minipd: serve, generate, and the tools around them."""
+
 from __future__ import annotations
 
 import argparse
 import sys
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face folder or tiny-random; default SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
+def add_engine_args(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="a .gguf file, a Hugging Face folder or tiny-random (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache size per worker, in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests a worker runs at once")
 
 
 def cmd_generate(args) -> int:
@@ -18,32 +21,33 @@ def cmd_generate(args) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.raw:
-        out = llm.generate(args.prompt, params)[0]
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
     else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     print(out.text)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minipd")
+    from importlib.metadata import version
+
+    parser = argparse.ArgumentParser(prog="python -m minipd", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"minipd {version('minipd')}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="answer one prompt offline and exit")
-    gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen = sub.add_parser("generate", help="answer one prompt offline and exit",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    gen.add_argument("prompt", help="the user's message (or, with --raw, the text to continue)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     gen.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    try:
-        from minipd.server.cli import add_serve_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_parser(sub, add_engine_args)
+    from minipd.server.cli import add_serve_parser
+
+    add_serve_parser(sub, add_engine_args)
     args = parser.parse_args(argv)
-    from minipd.models.loader import ModelNotFound
+    from minipd.models.files import ModelNotFound
 
     try:
         return args.func(args)

@@ -75,7 +75,7 @@ def test_modes_give_the_same_tokens_and_disagg_moves_the_prompts_kv(server):
                 assert t["kv_transfer"]["bytes"] == len(p) * TINY_KV_BYTES_PER_TOKEN
                 assert t["events"]["transfer_start"] <= t["events"]["transfer_end"]
     workers = server.get("/admin/workers")[1]["workers"]
-    assert all(w["kv_blocks_used"] == 0 and w["kv_blocks_reserved"] == 0 for w in workers)
+    assert all(w["kv_blocks_used"] == 0 and w["kv_blocks_seated"] == 0 for w in workers)
 
 
 def test_metrics_parse_and_move(server):
@@ -175,34 +175,6 @@ def test_tcp_transport_with_link_emulation_gives_the_same_tokens(server):
         size = len(prompt) * TINY_KV_BYTES_PER_TOKEN
         assert t["kv_transfer"]["bytes"] == size
         assert t["kv_transfer"]["seconds"] >= 0.02 + size * 8 / 0.01e9  # the emulated link was honoured
-
-
-def test_a_dead_worker_fails_its_requests_and_health_says_so():
-    with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1") as s:
-        async def go():
-            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
-            try:
-                stream = await client.completions.create(model="tiny-random", prompt="x", stream=True,
-                                                         max_tokens=100000, temperature=0,
-                                                         extra_body={"ignore_eos": True})  # fmt: skip
-                got_error = False
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text and not got_error:
-                        import os
-
-                        os.kill(s.worker_pids[0], signal.SIGKILL)
-                        got_error = True
-                return "ended"
-            except openai.APIError as err:
-                return f"error: {err}"
-            finally:
-                await client.close()
-
-        result = asyncio.run(asyncio.wait_for(go(), 60))
-        assert "died" in result
-        assert s.get("/health")[0] == 503
-        status, err = s.post("/v1/completions", {"prompt": "hi"})
-        assert status == 503 and "died" in err["error"]["message"]
 
 
 def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():

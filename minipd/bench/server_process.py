@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,12 +36,15 @@ def http(method: str, url: str, body: dict | bytes | None = None, timeout: float
 
 
 class ServerProcess:
-    def __init__(self, *args: str, ready_timeout: float = 240):
+    log_dir: str | None = None  # where server logs go (tests point it at pytest's tmp_path)
+
+    def __init__(self, *args: str, ready_timeout: float = 240, env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "minipd", "serve", "--port", str(self.port), *args]
-        self.log = open(f"/tmp/minipd-test-server-{self.port}.log", "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        log_dir = self.log_dir or tempfile.mkdtemp(prefix="minipd-server-")
+        self.log = open(os.path.join(log_dir, f"server-{self.port}.log"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -56,6 +60,11 @@ class ServerProcess:
             raise RuntimeError(f"server not ready in time:\n{self.output()}")
         self.worker_pids = [w["pid"] for w in self.get("/admin/workers")[1]["workers"]]
 
+    def worker_pid(self, role: str | int) -> int:
+        """The pid of worker `role` (an id, or the first worker with that role) right now."""
+        workers = self.get("/admin/workers")[1]["workers"]
+        return next(w["pid"] for w in workers if w["id"] == role or w["role"] == role)
+
     def get(self, path: str):
         return http("GET", self.url + path)
 
@@ -67,7 +76,19 @@ class ServerProcess:
         self.log.seek(0)
         return self.log.read()
 
+    def children_seen(self) -> list[int]:
+        """Every worker process this server has had (restarted ones included), as far as seen."""
+        seen = set(getattr(self, "worker_pids", []))
+        if self.proc.poll() is None:
+            try:
+                seen.update(w["pid"] for w in self.get("/admin/workers")[1]["workers"] if w["pid"])
+            except (OSError, KeyError, TypeError):
+                pass
+            self.worker_pids = sorted(seen)
+        return sorted(seen)
+
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        self.children_seen()
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -80,7 +101,7 @@ class ServerProcess:
     def leftovers(self) -> tuple[list[int], list[str]]:
         """Worker processes still alive and shared-memory segments still present after stop()."""
         alive = []
-        for pid in getattr(self, "worker_pids", []):
+        for pid in self.children_seen():
             try:
                 os.kill(pid, 0)
                 with open(f"/proc/{pid}/stat") as f:

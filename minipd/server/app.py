@@ -1,22 +1,36 @@
-"""The aiohttp application: OpenAI-compatible endpoints, health, metrics, timelines, admin."""
+"""The aiohttp application: OpenAI-compatible endpoints, health, metrics, timelines, events, admin.
+The only place where the server's errors become HTTP status codes."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import time
 
 from aiohttp import web
 
 from minipd.server import protocol as p
+from minipd.server.errors import InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
+from minipd.server.metrics import CONTENT_TYPE
+from minipd.server.modes import Mode
 from minipd.server.protocol import ApiError
-from minipd.server.router import Mode, Router
+from minipd.server.router import Router
 
 log = logging.getLogger("minipd.api")
+STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "invalid_request_error"),
+          Overloaded: (429, "rate_limit_error"), Unavailable: (503, "server_error")}  # fmt: skip
+OPEN_PATHS = ("/health", "/metrics")
 
 
 def json_error(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
+
+
+def as_api_error(err: ServeError) -> ApiError:
+    status, kind = STATUS.get(type(err), (500, "server_error"))
+    return ApiError(str(err), status, param=err.param, type_=kind, code=err.code)
 
 
 @web.middleware
@@ -25,6 +39,8 @@ async def errors_as_json(request: web.Request, handler):
         return await handler(request)
     except ApiError as err:
         return json_error(err)
+    except ServeError as err:
+        return json_error(as_api_error(err))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -34,15 +50,35 @@ async def errors_as_json(request: web.Request, handler):
         return json_error(ApiError("internal server error", 500, type_="server_error"))
 
 
+def require_api_key(key: str):
+    """vLLM's --api-key: /v1 and /admin need `Authorization: Bearer <key>`; health and metrics stay open."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith(("/v1", "/admin")):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return json_error(ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", 401,
+                                           type_="invalid_request_error", code="invalid_api_key"))  # fmt: skip
+        return await handler(request)
+
+    return check
+
+
 class Api:
-    def __init__(self, router: Router, model_name: str, max_model_len: int):
+    def __init__(self, router: Router, model_name: str, max_model_len: int, default_max_tokens: int = 1024,
+                 api_key: str | None = None, kv_transport: str = "shm"):  # fmt: skip
         self.router = router
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.default_max_tokens = default_max_tokens
+        self.api_key = api_key
+        self.kv_transport = kv_transport
         self.tokenizer = router.tokenizer
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors_as_json], client_max_size=32 * 2**20)
+        middlewares = [errors_as_json] + ([require_api_key(self.api_key)] if self.api_key else [])
+        app = web.Application(middlewares=middlewares, client_max_size=32 * 2**20)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -53,6 +89,7 @@ class Api:
             web.get("/admin/mode", self.get_mode),
             web.post("/admin/mode", self.post_mode),
             web.get("/admin/workers", self.workers),
+            web.get("/admin/events", self.events),
         ])  # fmt: skip
         return app
 
@@ -72,26 +109,28 @@ class Api:
         if model not in (None, self.model_name):
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
+        prompt_param = "messages" if chat else "prompt"
         if len(ids) >= self.max_model_len:
-            raise ApiError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len}",
-                           param="messages" if chat else "prompt")  # fmt: skip
+            raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens; the "
+                           f"{prompt_param} has {len(ids)} tokens", param=prompt_param)  # fmt: skip
         vocab = len(self.tokenizer) if self.tokenizer else None
         if vocab and any(t < 0 or t >= vocab for t in ids):
             raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
         stream, include_usage = p.stream_options(body)
-        params = p.sampling_params(body, None if chat else 16, self.max_model_len - len(ids))
+        default = self.default_max_tokens if chat else 16
+        params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
-        state = await self.router.submit(rid, ids, params)
+        state = self.router.submit(rid, ids, params)
         try:
             if stream:
                 return await self._stream(request, state, chat, include_usage)
             return await self._collect(state, chat)
         except (asyncio.CancelledError, ConnectionResetError):
-            await self.router.abort(rid)  # the client went away: free the blocks everywhere
+            log.debug("client went away; request %s aborted", rid)
             raise
         finally:
             if not state.finished:
-                await self.router.abort(rid)
+                self.router.abort(rid)  # the client went away: free the blocks everywhere
 
     async def _collect(self, state, chat: bool) -> web.Response:
         text, n = "", 0
@@ -150,19 +189,33 @@ class Api:
         return web.json_response({"object": "list", "data": [card]})
 
     async def health(self, request) -> web.Response:
-        if not self.router.ready:
+        r = self.router
+        if not r.ready:
             return web.json_response({"status": "starting"}, status=503)
-        if self.router.dead:
-            return web.json_response({"status": "unhealthy", "dead_workers": self.router.dead}, status=503)
-        return web.json_response({"status": "ok", "mode": self.router.mode.name})
+        if r.fault:
+            return web.json_response({"status": "unhealthy", "error": r.fault}, status=503)
+        if not r.accepting:
+            return web.json_response({"status": "draining"}, status=503)
+        dead = [w.worker_id for w in r.pool.workers if w.state == "dead"]
+        if dead:
+            causes = [w.exit_cause for w in r.pool.workers if w.state == "dead"]
+            return web.json_response({"status": "unhealthy", "dead_workers": dead, "causes": causes}, status=503)
+        restarting = [w.worker_id for w in r.pool.workers if w.state != "up"]
+        if restarting:
+            causes = [w.exit_cause for w in r.pool.workers if w.state != "up"]
+            return web.json_response({"status": "degraded", "restarting_workers": restarting, "causes": causes,
+                                      "mode": r.mode.name})  # fmt: skip
+        return web.json_response({"status": "ok", "mode": r.mode.name})
 
     async def metrics(self, request) -> web.Response:
-        return web.Response(body=self.router.metrics.render(), content_type="text/plain", charset="utf-8")
+        resp = web.Response(body=self.router.metrics.render())
+        resp.headers["Content-Type"] = CONTENT_TYPE
+        return resp
 
     async def timeline(self, request) -> web.Response:
         t = self.router.timeline(request.match_info["request_id"])
         if t is None:
-            raise ApiError("no such request (or it ended too long ago)", 404, code="not_found")
+            raise NotFound("no such request (or it ended too long ago)", code="not_found")
         return web.json_response(t)
 
     async def get_mode(self, request) -> web.Response:
@@ -171,26 +224,66 @@ class Api:
     async def post_mode(self, request) -> web.Response:
         body = await self._body(request)
         cur = self.router.mode
-        try:
-            mode = Mode(body.get("mode", cur.name), int(body.get("prefill_workers", cur.prefill_workers)),
-                        int(body.get("decode_workers", cur.decode_workers)),
-                        int(body.get("chunk_tokens", cur.chunk_tokens)))  # fmt: skip
-        except (TypeError, ValueError):
-            raise ApiError("prefill_workers, decode_workers and chunk_tokens must be integers") from None
-        await self.router.set_mode(mode)
+        unknown = set(body) - {"mode", "prefill_workers", "decode_workers", "chunk_tokens"}
+        if unknown:
+            raise InvalidRequest(f"unknown field(s) {sorted(unknown)}; /admin/mode takes mode, chunk_tokens, "
+                                 "prefill_workers and decode_workers", param=sorted(unknown)[0])  # fmt: skip
+        fields = {}
+        for name in ("prefill_workers", "decode_workers", "chunk_tokens"):
+            value = body.get(name, getattr(cur, name))
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidRequest(f"'{name}' must be an integer", param=name)
+            fields[name] = value
+        name = body.get("mode", cur.name)
+        if not isinstance(name, str):
+            raise InvalidRequest("'mode' must be a string", param="mode")
+        await self.router.set_mode(Mode(name, **fields))
         return web.json_response(self.router.mode.as_dict())
 
     async def workers(self, request) -> web.Response:
+        r = self.router
         rows = []
-        for w in self.router.pool.workers:
+        for w in r.pool.workers:
             s = w.stats
-            rows.append({"id": w.worker_id, "pid": w.pid, "alive": w.alive, "role": w.role, "device": w.device,
+            rows.append({"id": w.worker_id, "pid": w.pid, "state": w.state, "alive": w.alive, "role": w.role,
+                         "device": w.device, "incarnation": w.incarnation, "restarts": len(w.restarts),
+                         "exit_cause": w.exit_cause, "kv_transport": self.kv_transport,
                          "kv_address": w.info.kv_address if w.info else None,
                          "requests_running": s.num_running if s else 0, "requests_waiting": s.num_waiting if s else 0,
-                         "inflight": len(w.inflight), "kv_blocks_used": s.blocks_used if s else 0,
-                         "kv_blocks_reserved": s.blocks_reserved if s else 0,
-                         "kv_blocks_total": w.info.num_blocks if w.info else None})  # fmt: skip
-        return web.json_response({"mode": self.router.mode.as_dict(), "workers": rows})
+                         "inflight": r.load(w.worker_id), "kv_blocks_used": s.blocks_used if s else 0,
+                         "kv_blocks_seated": s.blocks_seated if s else 0, "kv_blocks_booked": s.blocks_booked if s else 0,
+                         "kv_blocks_total": w.info.num_blocks if w.info else None,
+                         "preemptions": s.num_preempted if s else 0, "handoffs": s.handoffs if s else {},
+                         "integrity_error": s.integrity_error if s else None})  # fmt: skip
+        return web.json_response({"mode": r.mode.as_dict(), "kv_transport": self.kv_transport, "workers": rows,
+                                  "seats": {"waiting": r.seats.num_waiting, "batches_sent": r.seats.batches_sent,
+                                            "granted": r.seats.seats_granted}})  # fmt: skip
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: every engine step, transfer, seat, mode switch and worker change.
+        ?since=T first replays what is kept from time T on (seconds since the epoch)."""
+        try:
+            since = float(request.query.get("since", time.time()))
+        except ValueError:
+            raise InvalidRequest("'since' must be a number of seconds since the epoch", param="since") from None
+        log_ = self.router.events
+        queue = log_.subscribe()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            for event in log_.since(since):
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=15)
+                except asyncio.TimeoutError:
+                    await resp.write(b": keep-alive\n\n")
+                    continue
+                await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        finally:
+            log_.unsubscribe(queue)
 
     # ---- helpers -----------------------------------------------------------------------
     async def _body(self, request) -> dict:

@@ -1,4 +1,5 @@
-"""`python -m minipd serve`: the main process (asyncio + uvloop) and its worker processes."""
+"""`python -m minipd serve`: the main process (asyncio + uvloop) and its worker processes.
+The main process never imports torch (a test checks it)."""
 
 from __future__ import annotations
 
@@ -7,34 +8,64 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 
-from aiohttp import web
+log = logging.getLogger("minipd")
+
+
+class UserError(Exception):
+    """A mistake in how the server was started: one line on stderr, exit code 2."""
 
 
 def add_serve_parser(sub, add_engine_args) -> None:
-    s = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--mode", default="colocated", choices=["colocated", "chunked", "disagg"])
-    s.add_argument("--chunk-tokens", type=int, default=512)
-    s.add_argument("--prefill-workers", type=int, default=1)
-    s.add_argument("--decode-workers", type=int, default=1)
-    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    s.add_argument("--workers", type=int, default=2, help="CPU: number of worker processes")
-    s.add_argument("--threads-per-worker", type=int, default=None, help="CPU: torch threads in each worker")
-    s.add_argument("--gpus", default=None, help="CUDA: comma-separated GPU indices (default: all visible)")
-    s.add_argument("--kv-transport", default=None, choices=["shm", "cuda-ipc", "tcp"],
-                   help="how KV moves between workers (default: shm on CPU, cuda-ipc on CUDA)")
-    s.add_argument("--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s")
-    s.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
-    s.add_argument("--max-waiting", type=int, default=256,
-                   help="bounded queue: requests beyond max-num-seqs per worker plus this many get 429")
-    s.add_argument("--kv-transfer-timeout", type=float, default=60.0,
-                   help="disagg: seconds a KV handoff may take before its request fails and its blocks are freed")
-    s.add_argument("--log-level", default="info")
-    add_engine_args(s)
-    s.set_defaults(func=lambda args: run(args))
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__.splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--api-key", default=os.environ.get("MINIPD_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 and /admin (env MINIPD_API_KEY)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    g.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="chat requests without max_tokens get this many at most (completions: 16, as OpenAI)")
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued beyond what the workers run; past it new requests get 429")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take in all; past it, it ends with an error and frees its KV")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C, seconds to let running requests finish before exiting")
+    g = s.add_argument_group("modes")
+    g.add_argument("--mode", default="colocated", choices=["colocated", "chunked", "disagg"],
+                   help="how prefill and decode share the workers (switch at run time: POST /admin/mode)")
+    g.add_argument("--chunk-tokens", type=int, default=512,
+                   help="chunked: token budget per step: every running decode, then prompt chunks with the rest (at least a quarter)")
+    g = s.add_argument_group("disagg and KV transfer")
+    g.add_argument("--prefill-workers", type=int, default=1, help="disagg: workers that read prompts (P of xPyD)")
+    g.add_argument("--decode-workers", type=int, default=1, help="disagg: workers that write replies (D of xPyD)")
+    g.add_argument("--kv-transport", default=None, choices=["shm", "cuda-ipc", "tcp"],
+                   help="how KV moves between workers (default: shm on cpu, cuda-ipc on cuda)")
+    g.add_argument("--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s")
+    g.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
+    g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                   help="disagg: seconds from a prompt's first token until its KV is in the decode worker; "
+                        "past it the request fails and both sides free its blocks")  # fmt: skip
+    g.add_argument("--seat-timeout", type=float, default=300.0,
+                   help="disagg: seconds a decode seat waits for its KV before it is given back")
+    g.add_argument("--decode-headroom-tokens", type=int, default=512,
+                   help="disagg: tokens of a reply's growth booked with its seat, so decoding need not preempt")
+    g = s.add_argument_group("workers")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the workers run")
+    g.add_argument("--workers", type=int, default=2, help="cpu: number of worker processes")
+    g.add_argument("--threads-per-worker", type=int, default=None,
+                   help="cpu: torch threads in each worker (default: cores / workers)")
+    g.add_argument("--gpus", default=None, help="cuda: comma-separated GPU indices, one worker each (default: all)")
+    g.add_argument("--worker-timeout", type=float, default=60.0,
+                   help="a worker silent for this many seconds is killed and replaced")
+    g.add_argument("--max-worker-restarts", type=int, default=5,
+                   help="restarts of one worker within 10 minutes before it is left dead")
+    add_engine_args(s.add_argument_group("engine"))
+    s.set_defaults(func=run)
 
 
 def worker_configs(args) -> list[dict]:
@@ -42,56 +73,130 @@ def worker_configs(args) -> list[dict]:
             "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs,
             "chunk_tokens": args.chunk_tokens}  # fmt: skip
     if args.device == "cuda":
-        import torch
-
-        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(torch.cuda.device_count()))
+        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(_cuda_device_count()))
         if not gpus:
-            raise SystemExit("--device cuda: torch sees no GPU")
+            raise UserError("--device cuda: no GPU is visible")
         return [{**base, "device": f"cuda:{g}", "threads": 1} for g in gpus]
     if args.workers < 1:
-        raise SystemExit("--workers must be >= 1")
+        raise UserError("--workers must be >= 1")
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
     return [{**base, "device": "cpu", "threads": threads} for _ in range(args.workers)]
 
 
-async def serve(args) -> None:
-    from minipd.models.loader import load_tokenizer, read_config, resolve, served_name
-    from minipd.server.app import Api
-    from minipd.server.metrics import Metrics
-    from minipd.server.router import Mode, Router
-    from minipd.server.worker_pool import WorkerPool
+def _cuda_device_count() -> int:
+    """Without importing torch here: ask a child process."""
+    import subprocess
 
-    log = logging.getLogger("minipd")
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                         capture_output=True, text=True)  # fmt: skip
+    return int(out.stdout.strip() or 0)
+
+
+def preflight(args) -> tuple[list[dict], object]:
+    """Everything that can be checked before anything heavy starts. Raises UserError."""
+    from minipd.models.files import ModelNotFound, check_exists
+    from minipd.server.errors import InvalidRequest
+    from minipd.server.modes import Mode
+
     if args.kv_transport is None:
         args.kv_transport = "cuda-ipc" if args.device == "cuda" else "shm"
     if (args.kv_transport, args.device) in (("shm", "cuda"), ("cuda-ipc", "cpu")):
-        raise SystemExit(f"--kv-transport {args.kv_transport} does not work with --device {args.device}; "
-                         "use shm on cpu, cuda-ipc on cuda, or tcp on either")  # fmt: skip
-    mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens)
+        raise UserError(f"--kv-transport {args.kv_transport} does not work with --device {args.device}; "
+                        "use shm on cpu, cuda-ipc on cuda, or tcp on either")  # fmt: skip
+    try:
+        check_exists(args.model)
+    except ModelNotFound as err:
+        raise UserError(str(err)) from None
+    _check_port(args.host, args.port)
     configs = worker_configs(args)
-    mode.check(len(configs))
-    folder = resolve(args.model)  # converts a GGUF once, before any worker needs it
-    tokenizer = load_tokenizer(args.model)
-    max_pos = read_config(folder).max_position if folder else 4096
-    max_model_len = min(max_pos, args.kv_cache_tokens)
+    mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens)
+    try:
+        mode.check(len(configs))
+    except InvalidRequest as err:
+        raise UserError(f"--mode {args.mode}: {err} (--workers {len(configs)})") from None
+    return configs, mode
+
+
+def _check_port(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise UserError(f"cannot listen on {host}:{port}: {err.strerror.lower()} (another server there? "
+                            f"pick another port with --port)") from None  # fmt: skip
+
+
+def check_shared_memory(kv_bytes_per_token: int, args, num_workers: int) -> None:
+    if args.kv_transport != "shm":
+        return
+    need = kv_bytes_per_token * args.kv_cache_tokens * num_workers
+    st = os.statvfs("/dev/shm")
+    have = st.f_bavail * st.f_frsize
+    if need > have:
+        raise UserError(f"the shm transport keeps each worker's KV cache in /dev/shm: {need / 2**20:.0f} MiB needed, "
+                        f"{have / 2**20:.0f} MiB free; use --kv-transport tcp, a smaller --kv-cache-tokens, or a "
+                        f"larger /dev/shm (docker run --shm-size=...)")  # fmt: skip
+
+
+async def serve(args, configs: list[dict], mode) -> None:
+    from minipd.models.files import model_config, served_name
+    from minipd.server.app import Api
+    from minipd.server.metrics import Metrics
+    from minipd.server.router import Limits, Router
+    from minipd.server.supervisor import Supervisor
+    from minipd.server.worker_pool import WorkerPool
+    from minipd.tokenizer import load_tokenizer
+    from minipd.workers import messages as m
+
+    mcfg = model_config(args.model, convert_here=False)  # converts a GGUF once, in a child process
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    check_shared_memory(mcfg.kv_bytes_per_token(dtype_bytes), args, len(configs))
+    tokenizer = load_tokenizer(args.model, convert_here=False)
+    max_model_len = min(mcfg.max_position, args.kv_cache_tokens)
     name = served_name(args.model)
-    pool = WorkerPool(configs, args.kv_transport, args.kv_link_gbps, args.kv_link_latency_ms)
-    router = Router(pool, tokenizer, Metrics(name), args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout)
-    api = Api(router, name, max_model_len)
-    runner = web.AppRunner(api.app(), access_log=None)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("minipd: listening on %s without --api-key: anyone on the network can send requests "
+                    "and switch modes", args.host)  # fmt: skip
+    pool = WorkerPool(configs, args.kv_transport, args.kv_link_gbps, args.kv_link_latency_ms,
+                      args.kv_transfer_timeout, args.seat_timeout)  # fmt: skip
+    limits = Limits(args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout, args.request_timeout,
+                    args.decode_headroom_tokens)  # fmt: skip
+    router = Router(pool, tokenizer, Metrics(name, len(configs)), limits, kv_transport=args.kv_transport)
+    supervisor = Supervisor(router, pool, args.worker_timeout, args.max_worker_restarts)
+    api = Api(router, name, max_model_len, args.default_max_tokens, args.api_key, args.kv_transport)
+
+    from aiohttp import web
+
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    signals = []
+
+    def on_signal():
+        signals.append(1)
+        if len(signals) > 1:
+            log.warning("minipd: second signal: stopping now")
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     tasks = []
+
+    def route(msg) -> None:
+        if isinstance(msg, m.Ready):
+            supervisor.on_ready(msg)
+        else:
+            router.on_message(msg)
+
     try:
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
+        await web.TCPSite(runner, args.host, args.port).start()
         log.info("minipd: listening on http://%s:%d (health: 503 until the workers are ready)", args.host, args.port)
         await pool.start(router.on_message)
-        tasks.append(loop.create_task(_pump(pool, router)))
-        tasks.append(loop.create_task(router.watch_workers()))
+        supervisor.watch_all()
+        tasks.append(_guard(loop.create_task(_pump(pool, route)), router, "the message pump"))
+        tasks.append(_guard(loop.create_task(supervisor.run()), router, "the supervisor"))
         await router.set_mode(mode)
         router.ready = True
         log.info("minipd: serving %s in mode %s", name, mode.as_dict())
@@ -100,30 +205,72 @@ async def serve(args) -> None:
                      w.device, w.role, w.info.num_blocks, w.info.block_size, w.info.kv_address)  # fmt: skip
         log.info("minipd: ready")
         await stop.wait()
+        stop.clear()
+        if len(signals) < 2 and router.requests:
+            log.info("minipd: draining %d requests (up to %g s; a second Ctrl-C stops now)", len(router.requests),
+                     args.drain_timeout)  # fmt: skip
+            drain = loop.create_task(router.drain(args.drain_timeout))
+            await asyncio.wait([drain, loop.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        router.accepting = False
+        for state in list(router.requests.values()):
+            router.fail(state, "the server is shutting down")
     finally:
         log.info("minipd: shutting down")
+        supervisor.stop()
         for t in tasks:
             t.cancel()
         await runner.cleanup()
         await pool.stop()
 
 
-async def _pump(pool, router) -> None:
+def _guard(task: asyncio.Task, router, what: str) -> asyncio.Task:
+    """If a task the server needs ends by an error, /health says so."""
+
+    def done(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            router.fault = f"{what} stopped: {t.exception()!r}"
+            log.error("minipd: %s", router.fault)
+
+    task.add_done_callback(done)
+    return task
+
+
+async def _pump(pool, route) -> None:
+    from minipd.workers.messages import BadMessage
+
     while True:
-        router.on_message(await pool.receive())
+        try:
+            msg = await pool.receive()
+        except BadMessage as err:
+            log.warning("ignored a message from a worker: %s", err)
+            continue
+        try:
+            route(msg)
+        except Exception:
+            log.exception("handling a %s from worker %s failed", type(msg).__name__, getattr(msg, "worker_id", "?"))
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stdout)  # fmt: skip
     try:
+        configs, mode = preflight(args)
+    except UserError as err:
+        log.debug("preflight", exc_info=True)
+        print(f"minipd: {err}", file=sys.stderr)
+        return 2
+    try:
         import uvloop
 
-        uvloop.install()
+        run_loop = uvloop.run
     except ImportError:
-        pass
+        run_loop = asyncio.run
     try:
-        asyncio.run(serve(args))
+        run_loop(serve(args, configs, mode))
+    except UserError as err:
+        log.debug("startup", exc_info=True)
+        print(f"minipd: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     return 0

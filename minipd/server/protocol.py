@@ -24,12 +24,19 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise ApiError(f"'{name}' must be {'an integer' if kind is int else 'a number'}", param=name)
-    if (low is not None and value < low) or (high is not None and value > high):
+    if low is not None and high is not None and not low <= value <= high:
         raise ApiError(f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    if low is not None and value < low:
+        raise ApiError(f"'{name}' must be >= {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise ApiError(f"'{name}' must be <= {high}, got {value}", param=name)
     return kind(value)
 
 
-def sampling_params(body: dict, max_tokens_default: int | None, context_left: int) -> SamplingParams:
+def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, prompt_len: int,
+                    prompt_param: str = "prompt") -> SamplingParams:  # fmt: skip
+    """max_tokens_default: when the client gives no max_tokens (bounded by what the context has left);
+    a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     for name in ("n", "best_of"):
         if body.get(name, 1) not in (1, None):
             raise ApiError(f"'{name}' other than 1 is not supported", param=name)
@@ -42,12 +49,21 @@ def sampling_params(body: dict, max_tokens_default: int | None, context_left: in
             raise ApiError(f"'{name}' other than 0 is not supported", param=name)
     if _number(body, "repetition_penalty", 1.0, low=0.0, high=10.0) != 1.0:
         raise ApiError("'repetition_penalty' other than 1.0 is not supported", param="repetition_penalty")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    max_tokens = _number({"max_tokens": max_tokens}, "max_tokens", max_tokens_default, int, low=1)
-    if max_tokens is None or max_tokens > context_left:
-        max_tokens = context_left
-    if max_tokens < 1:
-        raise ApiError("the prompt fills the model's whole context", param="messages")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    requested = _number(body, field, None, int, low=1)
+    context_left = max_model_len - prompt_len
+    if context_left < 1:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"{prompt_param} has {prompt_len} tokens, which leaves no room for a completion.",
+                       param=prompt_param)  # fmt: skip
+    if requested is None:
+        max_tokens = min(max_tokens_default, context_left)
+    elif requested > context_left:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} in the "
+                       f"completion). Please reduce the length of the {prompt_param} or '{field}'.", param=field)  # fmt: skip
+    else:
+        max_tokens = requested
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]

@@ -18,6 +18,22 @@ class Delta:
     error: str | None = None
 
 
+@dataclass(slots=True)
+class Placement:
+    """One attempt of a request on the workers: the only record of who holds its blocks."""
+
+    key: str  # what the workers call this attempt
+    worker: int | None = None  # runs it (colocated), or prefills it and writes its KV (disagg)
+    reader: int | None = None  # disagg: holds its seat, then decodes it
+    dispatched: bool = False  # `worker` was sent the request
+    first_token_at: float | None = None  # disagg: the prefill's token arrived; the handoff lease runs
+    kv_arrived: bool = False  # disagg: the decode worker imported the KV
+
+    @property
+    def holders(self) -> set[int]:
+        return {w for w in (self.worker if self.dispatched else None, self.reader) if w is not None}
+
+
 @dataclass(slots=True, eq=False)
 class RequestState:
     request_id: str
@@ -25,21 +41,28 @@ class RequestState:
     params: SamplingParams
     stream: TextStream | None
     arrival: float = field(default_factory=time.time)
+    deadline: float = float("inf")  # time.monotonic() past which it fails
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    prefill_worker: int | None = None
-    decode_worker: int | None = None
+    placement: Placement | None = None
+    attempt: int = 0
+    redos: list[dict] = field(default_factory=list)  # {"time", "cause", "tokens_done"} per redo
     finished: bool = False
     finish_reason: str | None = None
     events: dict[str, float] = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)
+    prefill_worker: int | None = None  # the last ones that served it, for the timeline
+    decode_worker: int | None = None
     kv_bytes: int = 0
     kv_seconds: float | None = None
 
+    def new_key(self) -> str:
+        self.attempt += 1
+        return f"{self.request_id}.{self.attempt}"
+
     @property
     def holders(self) -> set[int]:
-        return {w for w in (self.prefill_worker, self.decode_worker) if w is not None}
+        return self.placement.holders if self.placement else set()
 
     def timeline(self) -> dict:
         t = self.token_times
@@ -55,6 +78,7 @@ class RequestState:
             "output_tokens": len(self.output_token_ids),
             "prefill_worker": self.prefill_worker,
             "decode_worker": self.decode_worker,
+            "redos": list(self.redos),
             "kv_transfer": {"bytes": self.kv_bytes, "seconds": self.kv_seconds,
                             "gbps": (self.kv_bytes * 8 / self.kv_seconds / 1e9) if self.kv_seconds else None},
             "ttft": ttft, "tpot": tpot, "e2e": e2e if self.finished else None,

@@ -1,4 +1,7 @@
-"""Spawns the worker processes, talks to them over ZeroMQ, notices when one dies, ends them all."""
+"""Spawns the worker processes, talks to them over ZeroMQ, replaces one that died, ends them all.
+
+Each start of a worker (an incarnation) gets its own control socket, so nothing queued for a
+dead process can reach its replacement."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import zmq
@@ -15,7 +19,7 @@ import zmq.asyncio
 
 from minipd.transfer import shm
 from minipd.workers import messages as m
-from minipd.workers.worker import WorkerSpec, run_worker
+from minipd.workers.launch import WorkerSpec, run_worker
 
 log = logging.getLogger("minipd.pool")
 
@@ -23,99 +27,159 @@ log = logging.getLogger("minipd.pool")
 @dataclass(slots=True)
 class WorkerHandle:
     worker_id: int
-    process: mp.Process
-    control: zmq.asyncio.Socket
+    config: dict
     device: str
+    process: mp.Process | None = None
+    control: zmq.Socket | None = None
+    incarnation: int = -1
     info: m.Ready | None = None
     stats: m.WorkerStats | None = None
-    role: str = "both"
-    alive: bool = True
-    inflight: set[str] = field(default_factory=set)
+    role: str = "both"  # the role it has, or gets when it comes back
+    state: str = "starting"  # starting | up | restarting | dead
+    last_heard: float = 0.0  # time.monotonic() of its last message
+    exit_cause: str | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.state == "up"
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        return self.process.pid if self.process else None
+
+    def peer(self) -> dict:
+        """How other workers reach this one's KV (transfer.wire.Peer fields)."""
+        i = self.info
+        return {"kv_address": i.kv_address, "cache_name": i.kv_cache_name, "cache_shape": i.kv_cache_shape,
+                "cache_dtype": i.kv_cache_dtype, "cache_handle": i.kv_cache_handle}  # fmt: skip
 
 
 class WorkerPool:
-    def __init__(self, engine_configs: list[dict], kv_transport: str = "shm",
-                 kv_link_gbps: float | None = None, kv_link_latency_ms: float = 0.0):  # fmt: skip
-        self.engine_configs = engine_configs
+    def __init__(self, engine_configs: list[dict], kv_transport: str = "shm", kv_link_gbps: float | None = None,
+                 kv_link_latency_ms: float = 0.0, kv_transfer_timeout: float = 60.0, seat_timeout: float = 300.0,
+                 mode_timeout: float = 120.0):  # fmt: skip
         self.kv_transport = kv_transport
-        self.link = (kv_link_gbps, kv_link_latency_ms)
+        self.spec_defaults = dict(kv_transport=kv_transport, kv_link_gbps=kv_link_gbps,
+                                  kv_link_latency_ms=kv_link_latency_ms, kv_transfer_timeout=kv_transfer_timeout,
+                                  seat_timeout=seat_timeout, mode_timeout=mode_timeout)  # fmt: skip
         self.tag = f"{os.getpid()}"
         self.dir = tempfile.mkdtemp(prefix="minipd-")
-        self.ctx = zmq.asyncio.Context()
-        self.inbox = self.ctx.socket(zmq.PULL)
+        self.ctx = zmq.Context()
+        self.actx = zmq.asyncio.Context()
+        self.inbox = self.actx.socket(zmq.PULL)
         self.main_address = f"ipc://{self.dir}/main"
         self.inbox.bind(self.main_address)
-        self.workers: list[WorkerHandle] = []
+        self.workers = [WorkerHandle(i, cfg, cfg.get("device", "cpu")) for i, cfg in enumerate(engine_configs)]
+
+    def spawn(self, worker_id: int) -> WorkerHandle:
+        """Start (or restart) a worker process; it reports Ready when its model is loaded."""
+        w = self.workers[worker_id]
+        if w.control is not None:
+            w.control.close(linger=0)  # whatever was queued for the previous process is dropped
+        w.incarnation += 1
+        spec = WorkerSpec(worker_id, w.config, f"ipc://{self.dir}/w{worker_id}-{w.incarnation}", self.main_address,
+                          tag=self.tag, incarnation=w.incarnation, **self.spec_defaults)  # fmt: skip
+        proc = mp.get_context("spawn").Process(target=run_worker, args=(spec,), name=f"minipd-worker-{worker_id}",
+                                               daemon=True)  # fmt: skip
+        proc.start()
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy worker
+        sock.connect(spec.control_address)
+        w.process, w.control, w.info, w.stats = proc, sock, None, None
+        w.last_heard = time.monotonic()
+        return w
 
     async def start(self, on_message, timeout: float = 300.0) -> None:
-        spawn = mp.get_context("spawn")
-        for i, cfg in enumerate(self.engine_configs):
-            spec = WorkerSpec(i, cfg, f"ipc://{self.dir}/w{i}", self.main_address, self.kv_transport,
-                              self.link[0], self.link[1], self.tag)  # fmt: skip
-            proc = spawn.Process(target=run_worker, args=(spec,), name=f"minipd-worker-{i}", daemon=True)
-            proc.start()
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(spec.control_address)
-            self.workers.append(WorkerHandle(i, proc, sock, cfg.get("device", "cpu")))
-        pending = set(range(len(self.workers)))
+        """Start every worker and wait until all are ready."""
+        for w in self.workers:
+            self.spawn(w.worker_id)
+        pending = {w.worker_id for w in self.workers}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while pending:
-            if any(not self.workers[i].process.is_alive() for i in pending):
-                raise RuntimeError("a worker process exited while starting (see its log above)")
+            for i in pending:
+                if not self.workers[i].process.is_alive():
+                    raise RuntimeError(f"worker {i} exited while starting (exit code "
+                                       f"{self.workers[i].process.exitcode}; see its log above)")  # fmt: skip
             try:
-                data = await asyncio.wait_for(self.inbox.recv(), timeout=min(1.0, deadline - loop.time()))
+                msg = await asyncio.wait_for(self.receive(), timeout=min(1.0, max(0.01, deadline - loop.time())))
             except asyncio.TimeoutError:
                 if loop.time() > deadline:
                     raise RuntimeError("workers did not become ready in time") from None
                 continue
-            msg = m.decode(data)
             if isinstance(msg, m.Ready):
-                self.workers[msg.worker_id].info = msg
+                self.on_ready(msg)
                 pending.discard(msg.worker_id)
             else:
                 on_message(msg)
+        for w in self.workers:
+            w.state = "up"
+
+    def on_ready(self, msg: m.Ready) -> bool:
+        """Record a worker's Ready; False if it came from an incarnation that is already gone."""
+        w = self.workers[msg.worker_id]
+        if msg.incarnation != w.incarnation:
+            return False
+        w.info = msg
+        return True
 
     async def receive(self):
-        return m.decode(await self.inbox.recv())
+        msg = m.decode(await self.inbox.recv())
+        worker_id = getattr(msg, "worker_id", None)
+        if worker_id is not None and 0 <= worker_id < len(self.workers):
+            self.workers[worker_id].last_heard = time.monotonic()
+        return msg
 
-    async def send(self, worker_id: int, msg) -> None:
-        await self.workers[worker_id].control.send(m.encode(msg))
+    def send(self, worker_id: int, msg) -> bool:
+        """Queue a message for a worker; False if it cannot take it (its process is gone)."""
+        w = self.workers[worker_id]
+        if w.control is None:
+            return False
+        try:
+            w.control.send(m.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            log.debug("worker %d is not reachable; dropped a %s", worker_id, type(msg).__name__)
+            return False
 
-    def dead_workers(self) -> list[WorkerHandle]:
-        newly = [w for w in self.workers if w.alive and not w.process.is_alive()]
-        for w in newly:
-            w.alive = False
-        return newly
+    def with_role(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.alive and w.role == role]
+
+    def peers(self) -> dict[int, dict]:
+        return {w.worker_id: w.peer() for w in self.workers if w.info is not None}
 
     async def stop(self, grace: float = 5.0) -> None:
         for w in self.workers:
-            if w.process.is_alive():
-                try:
-                    await w.control.send(m.encode(m.Shutdown()))
-                except zmq.ZMQError:
-                    pass
+            if w.process is not None and w.process.is_alive():
+                self.send(w.worker_id, m.Shutdown())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while any(w.process.is_alive() for w in self.workers) and loop.time() < deadline:
+        while any(w.process and w.process.is_alive() for w in self.workers) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         self.kill()
 
     def kill(self) -> None:
         for w in self.workers:
-            if w.process.is_alive():
-                w.process.terminate()
-                w.process.join(2)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(2)
+            p = w.process
+            if p is not None and p.is_alive():
+                p.terminate()
+                p.join(2)
+            if p is not None and p.is_alive():
+                p.kill()
+                p.join(2)
         left = shm.unlink_all(self.tag)
         if left:
-            log.warning("removed %d shared-memory segments left by workers", len(left))
+            log.info("removed %d shared-memory segments left by workers", len(left))
         self.ctx.destroy(linger=0)
+        self.actx.destroy(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def remove_segments_of(self, w: WorkerHandle) -> None:
+        """A worker died: its KV cache segment would outlive it."""
+        if w.info is not None and w.info.kv_cache_name and self.kv_transport == "shm":
+            try:
+                os.unlink(f"/dev/shm/{w.info.kv_cache_name}")
+            except FileNotFoundError:
+                pass

@@ -1,5 +1,8 @@
 """Typed messages between the main process and the workers: small dataclasses, sent as
-msgpack lists tagged with the class name. Plain data only; no tensors."""
+msgpack lists tagged with the class name. Plain data only; no tensors.
+
+Workers know a request by its key: the request id and the attempt (a request redone after a
+worker died gets a new key, so nothing from the old attempt can be mistaken for the new one)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,10 @@ from dataclasses import dataclass, field
 import msgpack
 
 _REGISTRY: dict[str, type] = {}
+
+
+class BadMessage(ValueError):
+    pass
 
 
 def message(cls):
@@ -22,29 +29,35 @@ def encode(msg) -> bytes:
 
 
 def decode(data: bytes):
-    name, *values = msgpack.unpackb(data, strict_map_key=False)
-    return _REGISTRY[name](*values)
+    try:
+        name, *values = msgpack.unpackb(data, strict_map_key=False)
+        return _REGISTRY[name](*values)
+    except Exception as err:
+        raise BadMessage(f"not a message: {bytes(data[:60])!r}... ({err})") from None
 
 
 # ---- main -> worker -------------------------------------------------------------------
 @message
 class AddRequest:
-    request_id: str
+    key: str
     prompt_token_ids: list[int]
     params: dict
-    decode_worker: int | None = None  # disagg: where the KV goes after prefill
-    decode_blocks: list[int] | None = None  # ... and into which blocks of its cache
+    output_token_ids: list[int] = field(default_factory=list)  # already sent: the request is being redone
+    reader: int | None = None  # disagg: the decode worker whose seat receives the KV
+    seat: list[int] | None = None  # ... the seat's blocks in its cache
 
 
 @message
-class ReserveSeat:
-    request_id: str
-    num_tokens: int
+class ReserveSeats:
+    batch: int
+    seats: list  # [key, num_tokens, headroom_tokens, writer] each
 
 
 @message
 class Abort:
-    request_id: str
+    key: str
+    writer_done: bool = False  # to a reader: no one will write into this request's seat
+    reader: int | None = None  # to a writer: whose seat to tell, should it not know the request
 
 
 @message
@@ -52,7 +65,15 @@ class SetMode:
     role: str
     policy: str
     chunk_tokens: int
-    peers: dict = field(default_factory=dict)  # worker id -> Peer fields (transfer.channel)
+    peers: dict = field(default_factory=dict)  # worker id -> transfer.wire.Peer fields
+
+
+@message
+class Peers:
+    """The peer table changed: a worker was replaced (new addresses) or died (`gone`)."""
+
+    peers: dict
+    gone: list[int] = field(default_factory=list)
 
 
 @message
@@ -64,6 +85,7 @@ class Shutdown:
 @message
 class Ready:
     worker_id: int
+    incarnation: int
     pid: int
     device: str
     kv_address: str
@@ -78,7 +100,7 @@ class Ready:
 
 @message
 class Tokens:
-    request_id: str
+    key: str
     worker_id: int
     token_ids: list[int]
     time: float
@@ -90,7 +112,7 @@ class Tokens:
 class Event:
     """A point on a request's timeline (prefill_start, prefill_end, transfer_start, ...)."""
 
-    request_id: str
+    key: str
     worker_id: int
     kind: str
     time: float
@@ -98,10 +120,23 @@ class Event:
 
 
 @message
-class SeatReply:
-    request_id: str
+class Step:
+    """One engine step, as it happened."""
+
     worker_id: int
-    block_ids: list[int] | None  # None: no room
+    start: float
+    end: float
+    prefill_tokens: int
+    num_decodes: int
+    keys: list[str]
+    prefilling: list[str]
+
+
+@message
+class SeatsReserved:
+    batch: int
+    worker_id: int
+    results: list  # [key, block ids or None] each; None: no room
 
 
 @message
@@ -109,21 +144,28 @@ class ModeSet:
     worker_id: int
     role: str
     policy: str
+    error: str | None = None
 
 
 @message
 class WorkerStats:
+    """Sent after changes and at least every heartbeat interval."""
+
     worker_id: int
     role: str
     num_running: int
     num_waiting: int
     blocks_used: int
-    blocks_reserved: int
+    blocks_seated: int
+    blocks_booked: int
     blocks_total: int
+    num_preempted: int
+    handoffs: dict  # stage -> count, both sides
+    integrity_error: str | None = None
 
 
 @message
 class RequestError:
-    request_id: str
+    key: str
     worker_id: int
     message: str

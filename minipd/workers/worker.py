@@ -1,53 +1,39 @@
 """One worker process: an engine on one device, driven by messages from the main process.
-Its role (both / prefill / decode) and policy are settings, so the mode changes without reloading."""
+Its role (both / prefill / decode) and policy are settings, so the mode changes without reloading.
+
+Nothing one request does may end the process: every message and every step is guarded, and an
+error that belongs to a request ends that request (RequestError) and frees what it held."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
-import traceback
-from collections import deque
-from dataclasses import dataclass
 
-import msgpack
 import torch
 import zmq
 
-from minipd.engine.handoff import KVHandoff
-from minipd.transfer import shm
-from minipd.transfer.channel import Peer
+from minipd.config import EngineConfig
+from minipd.engine.engine import Engine, StepFailed
+from minipd.sampling_params import SamplingParams
+from minipd.transfer import shm, wire
+from minipd.transfer.handoffs import Handoff, Handoffs, Stage
+from minipd.transfer.link import LinkEmulator
+from minipd.transfer.peer_cache import tensor_view
+from minipd.transfer.receiver import SeatTable
+from minipd.transfer.sender import IN_PLACE, KVSender
+from minipd.workers import faults
 from minipd.workers import messages as m
+from minipd.workers.launch import WorkerSpec
 
 log = logging.getLogger("minipd.worker")
-
-
-@dataclass(slots=True)
-class WorkerSpec:
-    worker_id: int
-    engine: dict  # EngineConfig fields
-    control_address: str  # this worker binds it
-    main_address: str  # the main process binds it
-    kv_transport: str = "shm"
-    kv_link_gbps: float | None = None
-    kv_link_latency_ms: float = 0.0
-    tag: str = "0"  # names this server's shared-memory segments
-
-
-def run_worker(spec: WorkerSpec) -> None:
-    try:
-        Worker(spec).loop()
-    except KeyboardInterrupt:
-        pass
+HEARTBEAT_S = 0.5
+LEASE_CHECK_S = 0.5
 
 
 class Worker:
     def __init__(self, spec: WorkerSpec):
-        from minipd.config import EngineConfig
-        from minipd.engine.engine import Engine
-        from minipd.transfer.channel import KVReceiver, KVSender
-        from minipd.transfer.link import LinkEmulator
-
         self.spec = spec
         self.id = spec.worker_id
         self.parent = os.getppid()
@@ -56,8 +42,9 @@ class Worker:
         if spec.kv_transport == "shm":  # peers write handed-off KV straight into this cache
 
             def storage(num_bytes):
-                self.cache_segment = shm.create(shm.segment_name(spec.tag, f"cache{self.id}"), num_bytes)
-                return shm.tensor_view(self.cache_segment, [num_bytes], torch.uint8)
+                name = shm.segment_name(spec.tag, f"cache{self.id}-{spec.incarnation}")
+                self.cache_segment = shm.create(name, num_bytes)
+                return tensor_view(self.cache_segment, [num_bytes], torch.uint8)
 
         self.engine = Engine(EngineConfig(**spec.engine), kv_storage=storage)
         self.ctx = zmq.Context()
@@ -70,25 +57,27 @@ class Worker:
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(spec.main_address)
         link = LinkEmulator(spec.kv_link_gbps, spec.kv_link_latency_ms) if spec.kv_transport == "tcp" else None
-        self.sender = KVSender(self.ctx, spec.kv_transport, link)
-        self.receiver = KVReceiver()
+        self.sender = KVSender(self.ctx, spec.kv_transport, link, timeout=spec.kv_transfer_timeout)
+        self.seats = SeatTable(self.engine, self.id, spec.kv_transport in IN_PLACE, on_release=self._seat_released)
+        self.outgoing = Handoffs()  # this worker as the writer
+        self.peers: dict[int, wire.Peer] = {}
+        self.pending_mode: tuple[m.SetMode, float] | None = None
+        self.prefill_started: set[str] = set()
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
-        self.peers: dict[int, Peer] = {}
-        self.decode_target: dict[str, tuple[int, list[int]]] = {}  # request -> (decode worker, seat blocks)
-        self.prefill_started: set[str] = set()
-        self.aborted: deque[str] = deque(maxlen=4096)
         self.running = True
-        e = self.engine
-        cache = e.runner.kv_cache
+        self.last_stats = self.last_lease_check = 0.0
+        faults.install(self)
+        cache = self.engine.runner.kv_cache
         handle = None
         if spec.kv_transport == "cuda-ipc":
             from minipd.transfer.cuda_ipc import export_handle
 
             handle = export_handle(cache)
-        cache_name = self.cache_segment.name if self.cache_segment else f"worker{self.id}"
-        self.send(m.Ready(self.id, os.getpid(), spec.engine.get("device", "cpu"), self.kv_address,
+        cache_name = self.cache_segment.name if self.cache_segment else f"worker{self.id}-{spec.incarnation}"
+        e = self.engine
+        self.send(m.Ready(self.id, spec.incarnation, os.getpid(), spec.engine.get("device", "cpu"), self.kv_address,
                           e.blocks.num_blocks, e.blocks.block_size,
                           e.model.config.kv_bytes_per_token(cache.element_size()), cache_name, list(cache.shape),
                           str(cache.dtype).removeprefix("torch."), handle))  # fmt: skip
@@ -96,27 +85,30 @@ class Worker:
     def send(self, msg) -> None:
         self.out.send(m.encode(msg))
 
+    # ---- the loop -------------------------------------------------------------------------
     def loop(self) -> None:
         try:
             while self.running:
                 if os.getppid() != self.parent:
                     break  # the main process is gone: do not outlive it
                 busy = self.engine.has_unfinished()
-                sending = bool(self.engine.scheduler.handoffs)
-                events = dict(self.poller.poll(0 if busy else 5 if sending else 100))
+                waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.pending_mode)
+                events = dict(self.poller.poll(0 if busy else 5 if waiting_on_io else 100))
                 if self.control in events:
-                    self._drain(self.control, lambda frames: self.handle(m.decode(frames[0])))
+                    self._drain(self.control, self._on_control)
                 if self.kv_in in events:
-                    self._drain(self.kv_in, self.receive_kv)
-                sent = self.sender.finished()
-                for rid, error in sent:
-                    self.engine.release_handoff(rid)
-                    if error:
-                        self.send(m.RequestError(rid, self.id, error))
-                if sent:
-                    self.send_stats()
+                    self._drain(self.kv_in, self._on_kv)
+                self._guarded(self._collect_sent)
+                now = time.monotonic()
+                if now - self.last_lease_check > LEASE_CHECK_S:
+                    self.last_lease_check = now
+                    self._guarded(self._check_leases)
+                if self.pending_mode:
+                    self._guarded(self._try_apply_mode)
                 if self.engine.has_unfinished():
-                    self.step()
+                    self._step()
+                if time.monotonic() - self.last_stats > HEARTBEAT_S:
+                    self.send_stats()
         finally:
             self.sender.close()
             self.ctx.destroy(linger=0)
@@ -130,99 +122,251 @@ class Worker:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            handler([f.bytes if len(frames) == 1 else f for f in frames])
+            handler(frames)
 
-    # ---- control --------------------------------------------------------------------
+    def _guarded(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("worker %d: %s failed", self.id, fn.__name__)
+
+    # ---- control messages -------------------------------------------------------------------
+    def _on_control(self, frames) -> None:
+        try:
+            msg = m.decode(frames[0].bytes)
+        except m.BadMessage as err:
+            log.warning("worker %d: ignored a message it cannot read: %s", self.id, err)
+            return
+        try:
+            self.handle(msg)
+        except Exception as err:
+            key = getattr(msg, "key", None)
+            log.exception("worker %d: handling %s failed%s", self.id, type(msg).__name__, f" for {key}" if key else "")
+            if key is not None:
+                self._fail_request(key, f"worker {self.id} could not handle the request: {err}")
+
     def handle(self, msg) -> None:
-        from minipd.sampling_params import SamplingParams
-
-        e = self.engine
         if isinstance(msg, m.AddRequest):
-            try:
-                e.add_request(msg.request_id, msg.prompt_token_ids, SamplingParams.from_dict(msg.params))
-            except ValueError as err:
-                self.send(m.RequestError(msg.request_id, self.id, str(err)))
-                return
-            if msg.decode_worker is not None:
-                self.decode_target[msg.request_id] = (msg.decode_worker, msg.decode_blocks)
-        elif isinstance(msg, m.ReserveSeat):
-            seat = e.reserve_seat(msg.request_id, msg.num_tokens)
-            self.send(m.SeatReply(msg.request_id, self.id, seat))
-            self.send_stats()
+            self._add(msg)
+        elif isinstance(msg, m.ReserveSeats):
+            self._reserve(msg)
         elif isinstance(msg, m.Abort):
-            e.abort_request(msg.request_id)
-            e.blocks.release(msg.request_id)
-            self.aborted.append(msg.request_id)
-            self.decode_target.pop(msg.request_id, None)
+            self._abort(msg.key, msg.writer_done, msg.reader)
             self.send_stats()
         elif isinstance(msg, m.SetMode):
-            e.set_role(msg.role)
-            e.set_policy(msg.policy, msg.chunk_tokens)
-            self.peers = {int(k): Peer(**v) for k, v in msg.peers.items()}
-            self.send(m.ModeSet(self.id, msg.role, msg.policy))
+            self._set_peers(msg.peers)
+            self.engine.set_policy(msg.policy, msg.chunk_tokens)
+            self.pending_mode = (msg, time.monotonic())
+            self._try_apply_mode()
+        elif isinstance(msg, m.Peers):
+            for w in msg.gone:
+                self._peer_gone(w)
+            self._set_peers(msg.peers)
+            self.send_stats()
         elif isinstance(msg, m.Shutdown):
             self.running = False
+        else:
+            log.warning("worker %d: ignored an unexpected %s", self.id, type(msg).__name__)
 
-    # ---- one engine step --------------------------------------------------------------
-    def step(self) -> None:
+    def _add(self, msg: m.AddRequest) -> None:
+        reader = None
+        if msg.reader is not None:
+            reader = self.peers.get(msg.reader)
+            if reader is None:
+                raise ValueError(f"no decode worker {msg.reader} is known here")
+        try:
+            params = SamplingParams.from_dict(msg.params)
+            self.engine.add_request(msg.key, msg.prompt_token_ids, params, msg.output_token_ids)
+        except (TypeError, ValueError) as err:
+            if reader is not None:
+                self.sender.cancel(msg.key, reader, f"the prefill worker refused the request: {err}")
+            self.send(m.RequestError(msg.key, self.id, str(err)))
+            return
+        if reader is not None:
+            self.outgoing.open(Handoff(msg.key, self.id, msg.reader, msg.seat, Stage.PREFILLING, self.sender.in_place))
+
+    def _reserve(self, msg: m.ReserveSeats) -> None:
+        results = []
+        for key, num_tokens, headroom, writer in msg.seats:
+            try:
+                blocks = self.seats.reserve(key, num_tokens, headroom, writer)
+            except ValueError as err:
+                self.send(m.RequestError(key, self.id, str(err)))
+                blocks = None
+            results.append([key, blocks])
+            if blocks is not None:
+                self.send(m.Event(key, self.id, "seat_reserved", time.time(), {"blocks": len(blocks)}))
+        self.send(m.SeatsReserved(msg.batch, self.id, results))
+        self.send_stats()
+
+    def _abort(self, key: str, writer_done: bool = False, reader: int | None = None) -> None:
+        self.engine.abort_request(key)  # a request whose KV is on its way out keeps its blocks until sent
+        self.prefill_started.discard(key)
+        h = self.outgoing.get(key)
+        if h is not None:
+            if h.stage is Stage.PREFILLING:
+                self._cancel_outgoing(h, "the request was aborted")
+            else:
+                h.aborted = True
+        elif reader is not None and reader in self.peers:
+            # not (or no longer) ours: say so, in case the reader still waits (a second word is ignored)
+            self.sender.cancel(key, self.peers[reader], "the prefill worker does not hold the request")
+        self.seats.abort(key, writer_done)
+
+    def _fail_request(self, key: str, message: str) -> None:
+        self._abort(key)
+        self.send(m.RequestError(key, self.id, message))
+
+    def _cancel_outgoing(self, h: Handoff, reason: str) -> None:
+        peer = self.peers.get(h.reader)
+        if peer is not None:
+            self.sender.cancel(h.key, peer, reason)
+        self.outgoing.end(h.key, Stage.RELEASED)
+
+    def _set_peers(self, peers: dict) -> None:
+        for k, v in peers.items():
+            new = wire.Peer(**v)
+            old = self.peers.get(int(k))
+            if old is not None and old.cache_name and old.cache_name != new.cache_name:
+                self.sender.peer_caches.drop(old.cache_name)
+            self.peers[int(k)] = new
+
+    def _peer_gone(self, worker_id: int) -> None:
+        """A worker died. Handoffs towards it fail (their blocks come back); seats it was writing
+        into are given back."""
+        for h in self.outgoing.with_peer(worker_id):
+            if h.stage is Stage.PREFILLING:
+                self.engine.abort_request(h.key)
+                self.outgoing.end(h.key, Stage.FAILED)
+        peer = self.peers.pop(worker_id, None)
+        if peer is not None:
+            self.sender.forget_peer(peer)  # writes under way report failure; their blocks come back
+        self.seats.writer_gone(worker_id)
+
+    def _try_apply_mode(self) -> None:
+        msg, since = self.pending_mode
+        busy = self.engine.scheduler.num_unfinished + len(self.outgoing) + len(self.seats)
+        if not busy:
+            self.engine.set_role(msg.role)
+            self.pending_mode = None
+            self.send(m.ModeSet(self.id, msg.role, msg.policy))
+            self.send_stats()
+        elif time.monotonic() - since > self.spec.mode_timeout:
+            self.pending_mode = None
+            self.send(m.ModeSet(self.id, self.engine.scheduler.config.role, msg.policy,
+                                f"worker {self.id} still held {busy} requests and handoffs after "
+                                f"{self.spec.mode_timeout:g} s"))  # fmt: skip
+
+    # ---- KV arriving (decode side) -------------------------------------------------------------
+    def _on_kv(self, frames) -> None:
+        try:
+            arrival = self.seats.on_message(frames)
+        except Exception:
+            log.exception("worker %d: a KV message could not be handled", self.id)
+            return
+        if arrival is None:
+            return
+        if arrival.imported:
+            meta = arrival.meta
+            self.send(m.Event(arrival.key, self.id, "transfer_end", time.time(),
+                              {"bytes": meta.num_bytes, "seconds": arrival.seconds}))  # fmt: skip
+        elif arrival.error:
+            self.send(m.RequestError(arrival.key, self.id, arrival.error))
+        self.send_stats()
+
+    def _seat_released(self, key: str, stage: Stage) -> None:
+        self.send(m.Event(key, self.id, "seat_released", time.time(), {"stage": stage.value}))
+
+    def _check_leases(self) -> None:
+        for key in self.seats.overdue(self.spec.seat_timeout):
+            self.send(m.RequestError(key, self.id, f"no KV arrived in its seat within {self.spec.seat_timeout:g} s"))
+            self.seats.abort(key)
+
+    # ---- KV leaving (prefill side) ---------------------------------------------------------------
+    def _write(self, key: str) -> None:
+        h = self.outgoing.get(key)
+        peer = self.peers.get(h.reader) if h is not None else None
+        if peer is None:
+            self.engine.release_handoff(key)
+            if h is not None:
+                self.outgoing.end(key, Stage.FAILED)
+            self.send(m.RequestError(key, self.id, "the prefill finished but there is no decode seat for it"))
+            return
+        h.to(Stage.WRITING)
+        meta = self.engine.handoff_meta(key)
+        started = time.time()
+        self.send(m.Event(key, self.id, "transfer_start", started, {"bytes": meta.num_bytes, "to": h.reader}))
+        copied = self.sender.write(key, self.engine.handoff_kv(key), dataclasses.asdict(meta), peer, h.seat,
+                                   {"start": started, "writer": self.id})  # fmt: skip
+        if copied is not None:
+            self.send(m.Event(key, self.id, "kv_copied", copied, {"to": h.reader}))
+
+    def _collect_sent(self) -> None:
+        sent = self.sender.finished()
+        for key, error in sent:
+            self.engine.release_handoff(key)
+            h = self.outgoing.get(key)
+            if h is not None:
+                if error is None:
+                    h.to(Stage.WRITTEN)
+                self.outgoing.end(key, Stage.FAILED if error else Stage.RELEASED)
+            self.send(m.Event(key, self.id, "kv_sent", time.time(), {"error": error}))
+            if error and h is not None and not h.aborted:
+                self.send(m.RequestError(key, self.id, error))
+        if sent:
+            self.send_stats()
+
+    # ---- one engine step -------------------------------------------------------------------------
+    def _step(self) -> None:
         e = self.engine
-        outputs = e.step()
+        try:
+            outputs = e.step()
+        except StepFailed as err:
+            log.error("worker %d: a step failed; ending its requests %s: %r", self.id, err.request_ids, err.cause)
+            for key in err.request_ids:
+                self._fail_request(key, f"the engine step failed on worker {self.id}: {err.cause}")
+            self.send_stats()
+            return
+        except Exception as err:  # outside the model: the scheduler's own state is suspect; start over
+            keys = [s.request_id for s in (*e.scheduler.running, *e.scheduler.waiting)]
+            log.exception("worker %d: step failed outside the model; ending %s", self.id, keys)
+            for key in keys:
+                self._fail_request(key, f"worker {self.id} failed: {err}")
+            self.send_stats()
+            return
         stats = e.last_step
-        started = time.time() - stats.duration
-        for rid in stats.prefilling:
-            if rid not in self.prefill_started:
-                self.prefill_started.add(rid)
-                self.send(m.Event(rid, self.id, "prefill_start", started))
-        now = time.time()
+        end = stats.start + stats.duration
+        self.send(m.Step(self.id, stats.start, end, stats.prefill_tokens, stats.num_decodes,
+                         [o.request_id for o in outputs], stats.prefilling))  # fmt: skip
+        for key in stats.prefilling:
+            if key not in self.prefill_started:
+                self.prefill_started.add(key)
+                self.send(m.Event(key, self.id, "prefill_start", stats.start))
         for out in outputs:
             if out.request_id in self.prefill_started:
                 self.prefill_started.discard(out.request_id)
-                self.send(m.Event(out.request_id, self.id, "prefill_end", now))
-            self.send(m.Tokens(out.request_id, self.id, out.new_token_ids, now, out.finished, out.finish_reason))
+                self.send(m.Event(out.request_id, self.id, "prefill_end", end))
+            self.send(m.Tokens(out.request_id, self.id, out.new_token_ids, end, out.finished, out.finish_reason))
             if out.handoff:
-                self.hand_off(out.request_id)
-            elif out.finished:
-                self.decode_target.pop(out.request_id, None)
-        if not e.has_unfinished() and not e.scheduler.handoffs:
-            e.blocks.check_integrity()  # just went idle: every block must be free or reserved
-        self.send_stats()
-
-    def hand_off(self, request_id: str) -> None:
-        target, seat = self.decode_target.pop(request_id)
-        started = time.time()
-        try:
-            num_bytes = self.sender.send(self.engine, request_id, self.peers[target], seat, {"from": self.id})
-            self.send(m.Event(request_id, self.id, "transfer_start", started, {"bytes": num_bytes}))
-        except Exception as err:  # end this request, keep serving
-            log.exception("handoff of %s failed", request_id)
-            self.send(m.RequestError(request_id, self.id, f"KV handoff failed: {err}"))
-            self.engine.release_handoff(request_id)
-
-    def receive_kv(self, frames) -> None:
-        e = self.engine
-
-        def wanted(rid: str) -> bool:  # False if the request ended while its KV was on the way
-            return rid not in self.aborted and e.blocks.has_reservation(rid)
-
-        try:
-            done = self.receiver.on_message(frames, e, wanted)
-            if done is None:
-                return
-            header, meta = done
-            e.import_handoff(KVHandoff(meta, None), kv_written=True)
-        except Exception:
-            log.error("KV import failed:\n%s", traceback.format_exc())
-            rid = msgpack.unpackb(bytes(frames[1]))["meta"]["request_id"] if bytes(frames[0]) == b"H" \
-                else bytes(frames[1]).decode()  # fmt: skip
-            self.send(m.RequestError(rid, self.id, "KV import failed on the decode worker"))
-            e.blocks.release(rid)
-            return
-        now = time.time()
-        self.send(m.Event(meta.request_id, self.id, "transfer_end", now,
-                          {"bytes": meta.num_bytes, "seconds": now - header["start"]}))  # fmt: skip
+                self._write(out.request_id)
+            elif out.finished and (h := self.outgoing.get(out.request_id)) is not None:
+                self._cancel_outgoing(h, f"the request finished during prefill ({out.finish_reason})")
         self.send_stats()
 
     def send_stats(self) -> None:
         e = self.engine
+        idle = e.is_drained() and not len(self.outgoing) and not len(self.seats)
+        integrity = None
+        if idle:
+            try:
+                e.blocks.check_integrity()
+                assert e.blocks.num_used == 0, f"{e.blocks.num_used} blocks in use with no request here"
+            except AssertionError as err:
+                integrity = str(err) or "check_integrity failed"
+                log.error("worker %d: KV block integrity: %s", self.id, integrity)
+        handoffs = {f"out:{k}": v for k, v in self.outgoing.count_by_stage().items()}
+        handoffs.update({f"in:{k}": v for k, v in self.seats.handoffs.count_by_stage().items()})
         self.send(m.WorkerStats(self.id, e.scheduler.config.role, e.num_running(), e.num_waiting(),
-                                e.blocks.num_used, e.blocks.num_reserved, e.blocks.num_blocks))  # fmt: skip
+                                e.blocks.num_used, e.blocks.num_seated, e.blocks.num_booked, e.blocks.num_blocks,
+                                e.scheduler.num_preempted, handoffs, integrity))  # fmt: skip
+        self.last_stats = time.monotonic()

@@ -1,0 +1,118 @@
+"""Placing a request on the workers of the current mode: the least loaded worker in colocated and
+chunked; in disagg a prefill worker plus a seat on a decode worker, asked for before the prompt
+is sent (backpressure). A request redone after a worker died is placed again the same way, with
+the tokens already sent, which the new worker recomputes and continues from."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from minipd.engine.block_manager import blocks_for
+from minipd.server.request_state import Placement, RequestState
+from minipd.workers import messages as m
+
+log = logging.getLogger("minipd.dispatch")
+
+
+class Dispatcher:
+    def __init__(self, router, decode_headroom_tokens: int = 512):
+        self.router = router
+        self.decode_headroom_tokens = decode_headroom_tokens
+
+    async def place(self, state: RequestState) -> None:
+        r = self.router
+        try:
+            while not state.finished:
+                await r.serving.wait()
+                if state.finished:
+                    return
+                r.placing += 1
+                try:
+                    placed = await (self._disagg(state) if r.mode.name == "disagg" else self._colocated(state))
+                finally:
+                    r.placing -= 1
+                if placed:
+                    return
+        except Exception as err:  # never lose a request silently
+            log.exception("placing %s failed", state.request_id)
+            r.fail(state, f"could not place the request: {err}")
+
+    async def _colocated(self, state: RequestState) -> bool:
+        r = self.router
+        w = await self._pick(state, "both")
+        if w is None:
+            return False
+        p = r.assign(state, Placement(state.new_key(), worker=w.worker_id))
+        return self._send_request(state, p)
+
+    async def _disagg(self, state: RequestState) -> bool:
+        r = self.router
+        writer = await self._pick(state, "prefill")
+        if writer is None or await self._pick(state, "decode") is None:
+            return False
+        p = r.assign(state, Placement(state.new_key(), worker=writer.worker_id))
+        num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
+        if not self._fits_a_decode_worker(state, num_tokens):
+            return True
+        grant = await r.seats.ask(state, p.key, num_tokens, self._headroom(state, num_tokens), writer.worker_id)
+        if grant is None:  # a switch, its writer died, or it ended while waiting: go round again
+            r.unassign(state)
+            return state.finished
+        p.reader, seat = grant
+        state.events["seat_reserved"] = time.time()
+        if state.finished:
+            r.release_holders(state)  # ended while its seat was on the way
+            return True
+        if not writer.alive:
+            r.release_holders(state)
+            return False
+        return self._send_request(state, p, seat)
+
+    def _send_request(self, state: RequestState, p: Placement, seat: list[int] | None = None) -> bool:
+        r = self.router
+        msg = m.AddRequest(p.key, state.prompt_token_ids, state.params.to_dict(), list(state.output_token_ids),
+                           p.reader, seat)  # fmt: skip
+        if not r.pool.send(p.worker, msg):
+            r.release_holders(state)
+            return False
+        p.dispatched = True
+        state.events["dispatched"] = time.time()
+        return True
+
+    async def _pick(self, state: RequestState, role: str):
+        """The least loaded live worker of the role; waits while one is being restarted."""
+        r = self.router
+        while True:
+            live = r.pool.with_role(role)
+            if live:
+                return min(live, key=lambda w: (r.load(w.worker_id), w.worker_id))
+            coming = [w for w in r.pool.workers if w.role == role and w.state in ("starting", "restarting")]
+            if not coming:
+                causes = "; ".join(w.exit_cause for w in r.pool.workers if w.role == role and w.exit_cause)
+                r.fail(state, f"no {role} worker is alive" + (f" ({causes})" if causes else ""))
+                return None
+            r.workers_changed.clear()
+            try:
+                await asyncio.wait_for(r.workers_changed.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+            if state.finished or not r.serving.is_set():
+                return None
+
+    def _headroom(self, state: RequestState, num_tokens: int) -> int:
+        """Tokens booked in the seat for the reply still to come, so decoding never preempts."""
+        left = state.params.max_tokens - len(state.output_token_ids)
+        decoders = self.router.pool.with_role("decode")
+        capacity = max(w.info.num_blocks * w.info.block_size for w in decoders) if decoders else 0
+        return max(0, min(self.decode_headroom_tokens, left, capacity - num_tokens - 1))
+
+    def _fits_a_decode_worker(self, state: RequestState, num_tokens: int) -> bool:
+        decoders = self.router.pool.with_role("decode")
+        if any(blocks_for(num_tokens + 1, w.info.block_size) <= w.info.num_blocks for w in decoders):
+            return True
+        if decoders:
+            self.router.fail(state, f"the prompt ({num_tokens} tokens) does not fit in any decode worker's KV cache")
+            return False
+        return True  # none is up right now: the seat broker waits for one

@@ -1,0 +1,141 @@
+"""The serving mode, and switching it at run time: drain, re-role the workers (no reload), resume."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from minipd.server.errors import InvalidRequest, Unavailable
+from minipd.workers import messages as m
+
+log = logging.getLogger("minipd.modes")
+MODES = ("colocated", "chunked", "disagg")
+
+
+@dataclass(slots=True)
+class Mode:
+    name: str = "colocated"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    chunk_tokens: int = 512
+
+    def check(self, num_workers: int) -> None:
+        if self.name not in MODES:
+            raise InvalidRequest(f"mode must be one of {MODES}, got {self.name!r}", param="mode")
+        if self.chunk_tokens < 1:
+            raise InvalidRequest("chunk_tokens must be >= 1", param="chunk_tokens")
+        if self.name == "disagg":
+            p, d = self.prefill_workers, self.decode_workers
+            if p < 1 or d < 1 or p + d > num_workers:
+                raise InvalidRequest(f"disagg needs prefill_workers >= 1 and decode_workers >= 1 with P + D <= "
+                                     f"{num_workers} workers, got {p}P{d}D", param="prefill_workers")  # fmt: skip
+
+    @property
+    def policy(self) -> str:
+        return "chunked" if self.name == "chunked" else "prefill_first"
+
+    def roles(self, num_workers: int) -> list[str]:
+        if self.name != "disagg":
+            return ["both"] * num_workers
+        p, d = self.prefill_workers, self.decode_workers
+        return ["prefill"] * p + ["decode"] * d + ["idle"] * (num_workers - p - d)
+
+    def as_dict(self) -> dict:
+        """Only the fields that mean something in this mode."""
+        if self.name == "chunked":
+            return {"mode": self.name, "chunk_tokens": self.chunk_tokens}
+        if self.name == "disagg":
+            return {"mode": self.name, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers}
+        return {"mode": self.name}
+
+
+class ModeSwitcher:
+    def __init__(self, router, drain_timeout: float = 600.0, ack_timeout: float = 180.0):
+        self.router = router
+        self.drain_timeout, self.ack_timeout = drain_timeout, ack_timeout
+        self.lock = asyncio.Lock()  # one change of roles at a time (switches and restarted workers)
+        self.acks: dict[int, asyncio.Future] = {}
+        self.num_switches = 0
+
+    async def switch(self, mode: Mode) -> None:
+        r = self.router
+        mode.check(len(r.pool.workers))
+        async with self.lock:
+            old = r.mode
+            started = time.time()
+            r.events.publish({"type": "mode", "phase": "drain", "time": started, "to": mode.as_dict()})
+            r.serving.clear()  # new and waiting requests wait at the door
+            try:
+                r.seats.cancel_all()
+                await self._drain()
+                roles = mode.roles(len(r.pool.workers))
+                errors = await self._set_roles(mode, roles)
+                if errors:
+                    await self._set_roles(old, old.roles(len(r.pool.workers)))
+                    raise Unavailable(f"the mode switch failed and was undone: {'; '.join(errors)}")
+                r.mode = mode
+                self.num_switches += 1
+            finally:
+                r.serving.set()
+            r.events.publish({"type": "mode", "phase": "serving", "time": time.time(), "mode": mode.as_dict(),
+                              "drain_seconds": time.time() - started})  # fmt: skip
+            log.info("minipd: now serving in mode %s", mode.as_dict())
+
+    async def _drain(self) -> None:
+        r = self.router
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while r.placing or any(s.holders for s in r.requests.values()):
+            if loop.time() > deadline:
+                raise Unavailable(f"could not drain the running requests within {self.drain_timeout:g} s")
+            await asyncio.sleep(0.01)
+
+    async def _set_roles(self, mode: Mode, roles: list[str]) -> list[str]:
+        """Give every worker its role; returns the errors of those that refused."""
+        r = self.router
+        loop = asyncio.get_running_loop()
+        for w, role in zip(r.pool.workers, roles):
+            w.role = role  # a worker that is down gets it when it comes back
+        up = [w for w in r.pool.workers if w.alive]
+        self.acks = {w.worker_id: loop.create_future() for w in up}
+        peers = r.pool.peers()
+        for w in up:
+            r.pool.send(w.worker_id, m.SetMode(_engine_role(w.role), mode.policy, mode.chunk_tokens, peers))
+        done = set()
+        if self.acks:
+            done, _ = await asyncio.wait(self.acks.values(), timeout=self.ack_timeout)
+        errors = []
+        for wid, fut in self.acks.items():
+            if fut not in done:
+                errors.append(f"worker {wid} did not answer within {self.ack_timeout:g} s")
+            elif fut.result() is not None:
+                errors.append(fut.result())
+        return errors
+
+    async def assign(self, worker_id: int) -> None:
+        """A restarted worker: give it the role it had, in the current mode."""
+        r = self.router
+        async with self.lock:
+            w = r.pool.workers[worker_id]
+            fut = asyncio.get_running_loop().create_future()
+            self.acks[worker_id] = fut
+            r.pool.send(worker_id, m.SetMode(_engine_role(w.role), r.mode.policy, r.mode.chunk_tokens, r.pool.peers()))
+            error = await asyncio.wait_for(fut, timeout=self.ack_timeout)
+            if error:
+                raise RuntimeError(error)
+
+    def on_ack(self, msg: m.ModeSet) -> None:
+        fut = self.acks.get(msg.worker_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.error)
+
+    def on_worker_lost(self, worker_id: int) -> None:
+        fut = self.acks.pop(worker_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(None)  # it gets its new role when it comes back
+
+
+def _engine_role(role: str) -> str:
+    return "both" if role == "idle" else role

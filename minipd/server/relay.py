@@ -1,0 +1,45 @@
+"""Tokens from the workers to the client: the text they make (detokenized, stop strings applied),
+their timing, and the latency metrics they feed."""
+
+from __future__ import annotations
+
+from minipd.server.metrics import Metrics
+from minipd.server.request_state import Delta, RequestState
+from minipd.workers import messages as m
+
+
+class Relay:
+    def __init__(self, metrics: Metrics, kv_transport: str = "shm"):
+        self.metrics = metrics
+        self.kv_transport = kv_transport
+
+    def tokens(self, state: RequestState, msg: m.Tokens) -> tuple[str | None, str]:
+        """Record the tokens and stream their text. Returns (finish reason or None, text still
+        to send): a finished request's last text goes out with its ending."""
+        met, model = self.metrics, self.metrics.model
+        if state.token_times:
+            met.itl.labels(model).observe(msg.time - state.token_times[-1])
+        else:
+            met.ttft.labels(model).observe(msg.time - state.arrival)
+        state.token_times += [msg.time] * len(msg.token_ids)
+        state.output_token_ids += msg.token_ids
+        met.generation_tokens.labels(model).inc(len(msg.token_ids))
+        text = state.stream.push(msg.token_ids, final=msg.finished) if state.stream else ""
+        if state.stream is not None and state.stream.stopped:
+            return "stop", text
+        if msg.finished:
+            return msg.finish_reason, text
+        state.deltas.put_nowait(Delta(text, len(msg.token_ids)))
+        return None, ""
+
+    def event(self, state: RequestState, msg: m.Event) -> None:
+        first = msg.kind not in state.events
+        state.events[msg.kind] = msg.time
+        met, model = self.metrics, self.metrics.model
+        if msg.kind == "prefill_start" and first:
+            met.queue_time.labels(model).observe(msg.time - state.arrival)
+        elif msg.kind == "transfer_end":
+            state.kv_bytes, state.kv_seconds = msg.data["bytes"], msg.data["seconds"]
+            met.kv_bytes.labels(model).inc(state.kv_bytes)
+            met.kv_seconds.labels(model).observe(state.kv_seconds)
+            met.handoffs.labels(model, self.kv_transport, "imported").inc()

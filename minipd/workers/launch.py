@@ -1,0 +1,31 @@
+"""What the main process needs to start a worker, without importing torch itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class WorkerSpec:
+    worker_id: int
+    engine: dict  # EngineConfig fields
+    control_address: str  # this worker binds it
+    main_address: str  # the main process binds it
+    kv_transport: str = "shm"
+    kv_link_gbps: float | None = None
+    kv_link_latency_ms: float = 0.0
+    kv_transfer_timeout: float = 60.0
+    seat_timeout: float = 300.0
+    mode_timeout: float = 120.0
+    tag: str = "0"  # names this server's shared-memory segments
+    incarnation: int = 0  # how many times this worker id was started before
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """The worker process's entry point (spawned)."""
+    from minipd.workers.worker import Worker
+
+    try:
+        Worker(spec).loop()
+    except KeyboardInterrupt:
+        pass

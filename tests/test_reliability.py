@@ -1,0 +1,286 @@
+"""The process fabric under faults, on real worker processes and the tiny model: killed and hung
+workers, failing steps, lost messages, aborts inside a copy, disconnects, deadlines, shutdown."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers import serving, stream_completions, wait_for_health, wait_for_idle_workers
+
+pytestmark = pytest.mark.slow
+TINY = ("--model", "tiny-random", "--threads-per-worker", "1")
+PROMPTS = [[20 + i, 31, 400 + i] * (i + 2) for i in range(8)]
+
+
+def completion(server, prompt, **kw):
+    return server.post("/v1/completions", {"prompt": prompt, "temperature": 0, "ignore_eos": True, **kw})
+
+
+@pytest.mark.parametrize("mode,transport,victim", [
+    ("disagg", "shm", "prefill"), ("disagg", "shm", "decode"),
+    ("disagg", "tcp", "prefill"), ("disagg", "tcp", "decode"),
+    ("colocated", "shm", 0),
+])  # fmt: skip
+def test_a_worker_killed_mid_stream_is_replaced_and_its_requests_redone(mode, transport, victim):
+    with serving(*TINY, "--workers", "2", "--mode", mode, "--kv-transport", transport,
+                 env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:  # fmt: skip
+        want = asyncio.run(stream_completions(s.url, PROMPTS, 40))
+        assert all(r["error"] is None for r in want)
+        pid = s.worker_pid(victim)
+        seen = [0]
+        kill_at = 1 if victim == "prefill" else 60
+
+        def on_token(i):
+            seen[0] += 1
+            if seen[0] == kill_at:
+                os.kill(pid, signal.SIGKILL)
+
+        started = time.monotonic()
+        got = asyncio.run(asyncio.wait_for(stream_completions(s.url, PROMPTS, 40, on_token), 60))
+        assert time.monotonic() - started < 30
+        for g, w in zip(got, want):
+            assert g["error"] is None, g["error"]  # a replacement comes: every request is redone
+            assert g["text"] == w["text"]
+        wait_for_health(s, "ok", timeout=30)
+        assert s.worker_pid(victim) != pid
+        assert completion(s, [1, 2, 3], max_tokens=3)[0] == 200
+        wait_for_idle_workers(s, timeout=10)
+        redone = [s.get(f"/v1/requests/{g['id']}/timeline")[1]["redos"] for g in got]
+        if victim != "prefill":
+            assert any(redone), "the killed worker held requests; some must have been redone"
+        assert all("died" in r["cause"] for rs in redone for r in rs)
+
+
+def test_a_request_that_cannot_be_redone_ends_with_an_error_event():
+    with serving(*TINY, "--workers", "1", "--max-worker-restarts", "0", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
+        pid = s.worker_pid(0)
+        seen = [0]
+
+        def on_token(i):
+            seen[0] += 1
+            if seen[0] == 5:
+                os.kill(pid, signal.SIGKILL)
+
+        got = asyncio.run(asyncio.wait_for(stream_completions(s.url, PROMPTS[:2], 200, on_token), 30))
+        assert all("no both worker is alive" in g["error"] and "SIGKILL" in g["error"] for g in got)
+        status, body = s.get("/health")
+        assert status == 503 and body["dead_workers"] == [0]
+        status, err = completion(s, [1, 2], max_tokens=2)
+        assert status == 503 and "died" in err["error"]["message"]
+
+
+def test_a_hung_worker_is_killed_and_replaced():
+    with serving(*TINY, "--workers", "2", "--worker-timeout", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
+        pid = s.worker_pid(1)
+        os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
+        got = asyncio.run(asyncio.wait_for(stream_completions(s.url, PROMPTS[:4], 30), 30))
+        assert all(g["error"] is None for g in got)
+        wait_for_health(s, "ok", timeout=30)
+        assert s.worker_pid(1) != pid
+        assert "SIGKILL" in s.get("/admin/workers")[1]["workers"][1]["exit_cause"]
+
+
+def test_switching_mode_with_a_handoff_in_flight_neither_kills_nor_hangs():
+    """Defect: after a request ended, its prefill worker could still be sending its KV; SetMode then
+    made the worker's set_role raise, the worker died and every later request waited forever."""
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", "--kv-transport", "tcp", "--kv-link-latency-ms",
+                 "1500") as s:  # fmt: skip
+        pids = [s.worker_pid(0), s.worker_pid(1)]
+        # a stop string that the first token meets ends the request while its KV is on the (slow) link
+        status, _ = completion(s, [5, 6, 7, 8], max_tokens=20, stop=[" "], ignore_eos=False)
+        started = time.monotonic()
+        status, body = s.post("/admin/mode", {"mode": "colocated"})
+        assert status == 200 and body == {"mode": "colocated"}
+        assert time.monotonic() - started < 15
+        assert completion(s, [1, 2, 3], max_tokens=4)[0] == 200
+        assert [s.worker_pid(0), s.worker_pid(1)] == pids  # nobody died
+        wait_for_idle_workers(s, timeout=10)
+
+
+def test_a_failing_step_ends_only_its_requests():
+    with serving(*TINY, "--workers", "1", env={"MINIPD_FAULTS": "fail_step_on_token=4242"}) as s:
+        pid = s.worker_pid(0)
+        got = asyncio.run(stream_completions(s.url, [[4242, 1, 2], [7, 8, 9]], 20))
+        # the two ran in one step: both end with the step's error, the worker lives on
+        assert all("engine step failed" in g["error"] for g in got if g["error"]) and got[0]["error"]
+        assert completion(s, [7, 8, 9], max_tokens=5)[0] == 200
+        assert s.worker_pid(0) == pid and s.get("/health")[1]["status"] == "ok"
+        wait_for_idle_workers(s, timeout=10)
+
+
+def test_the_message_pump_survives_a_message_it_cannot_handle():
+    """Defect: one exception in the router's message handling stopped every delivery while
+    /health said ok."""
+    with serving(*TINY, "--workers", "1", env={"MINIPD_FAULTS": "bad_stats_on_token=999"}) as s:
+        assert completion(s, [999, 1], max_tokens=3)[0] == 200
+        assert completion(s, [5, 6], max_tokens=3)[0] == 200
+        assert s.get("/health")[1]["status"] == "ok"
+        assert "handling a WorkerStats" in s.output()
+
+
+def test_an_abort_inside_an_in_place_copy_keeps_the_seat_until_the_copy_is_done():
+    """Defect: the decode worker freed a seat on abort while the prefill worker was still copying
+    the KV into those blocks (shm), so another request could be given blocks being overwritten."""
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", env={"MINIPD_FAULTS": "slow_kv_copy_s=1.0"}) as s:
+        since = time.time()
+
+        async def abort_during_copy():
+            import aiohttp
+
+            async with aiohttp.ClientSession() as session:
+                body = {"prompt": [5] * 40, "max_tokens": 10, "temperature": 0, "stream": True}
+                async with session.post(s.url + "/v1/completions", json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            await asyncio.sleep(0.3)  # the first token is out: the copy runs for 1 s
+                            return  # the client goes away
+
+        asyncio.run(abort_during_copy())
+        wait_for_idle_workers(s, timeout=10)
+        events = events_since(s, since)
+        sent = [e for e in events if e.get("kind") == "kv_copied"]
+        released = [e for e in events if e.get("kind") == "seat_released"]
+        assert len(sent) == 1 and len(released) == 1, events
+        assert released[0]["time"] >= sent[0]["time"]  # the seat went back only after the writer was done
+
+
+def events_since(server, since: float) -> list[dict]:
+    """What /admin/events has kept since `since` (read until it has replayed it all)."""
+    import json
+
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(f"GET /admin/events?since={since} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    sock.settimeout(1.0)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except TimeoutError:
+        pass
+    finally:
+        sock.close()
+    return [json.loads(line[6:]) for line in data.split(b"\n") if line.startswith(b"data: {")]
+
+
+def test_a_seat_whose_prefill_never_arrives_is_released():
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", "--seat-timeout", "1",
+                 env={"MINIPD_FAULTS": "ignore_request_on_token=777"}) as s:  # fmt: skip
+        started = time.monotonic()
+        status, err = completion(s, [777, 1, 2], max_tokens=3)
+        assert status == 500 and "no KV arrived in its seat within 1 s" in err["error"]["message"]
+        assert time.monotonic() - started < 5
+        wait_for_idle_workers(s, timeout=5)
+        assert completion(s, [1, 2, 3], max_tokens=3)[0] == 200
+
+
+def test_seats_are_granted_in_batches():
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", env={"MINIPD_FAULTS": "slow_step_s=0.02"}) as s:
+        got = asyncio.run(stream_completions(s.url, [[7, i] for i in range(24)], 10))
+        assert all(g["error"] is None for g in got)
+        seats = s.get("/admin/workers")[1]["seats"]
+        assert seats["granted"] == 24 and seats["batches_sent"] < 24, seats
+
+
+def test_a_non_streaming_client_that_goes_away_frees_everything_and_logs_no_error():
+    """Defect: a non-streaming request never noticed its client had gone and ran to the end;
+    a normal disconnect was logged as an ERROR with a traceback."""
+    with serving(*TINY, "--workers", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        body = b'{"prompt": [5, 6], "max_tokens": 3000, "temperature": 0, "ignore_eos": true}'
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        time.sleep(0.5)
+        sock.close()
+        wait_for_idle_workers(s, timeout=5)  # 3000 steps of 10 ms would take 30 s
+        asyncio.run(abandon_a_stream(s))
+        wait_for_idle_workers(s, timeout=5)
+        log = s.output()
+        assert "Traceback" not in log and " ERROR " not in log, log
+
+
+async def abandon_a_stream(s):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        body = {"prompt": [5, 6], "max_tokens": 3000, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with session.post(s.url + "/v1/completions", json=body) as resp:
+            await resp.content.readline()
+
+
+def test_max_tokens_is_bounded_and_checked_against_the_context():
+    with serving(*TINY, "--workers", "1", "--default-max-tokens", "7", "--kv-cache-tokens", "512") as s:
+        status, body = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "temperature": 0, "ignore_eos": True})  # fmt: skip
+        assert status == 200 and body["usage"]["completion_tokens"] == 7
+        status, err = s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_completion_tokens": 600})  # fmt: skip
+        assert status == 400 and err["error"]["param"] == "max_completion_tokens"
+        assert "maximum context length is 512 tokens" in err["error"]["message"]
+        status, err = s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": -1})
+        assert status == 400 and "None" not in err["error"]["message"] and err["error"]["param"] == "max_tokens"
+
+
+def test_disaggregated_decode_does_not_preempt_at_the_configured_load():
+    """Defect: a seat held only prompt + 1 tokens, so a full decode worker preempted its requests
+    and re-prefilled them itself, bringing back the stall. Seats now book the reply's growth."""
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", "--kv-cache-tokens", "256", "--block-size", "16",
+                 env={"MINIPD_FAULTS": "slow_step_s=0.005"}) as s:  # fmt: skip
+        got = asyncio.run(stream_completions(s.url, [[9, i] * 10 for i in range(6)], 60))
+        assert all(g["error"] is None for g in got)
+        workers = wait_for_idle_workers(s, timeout=10)
+        assert [w["preemptions"] for w in workers] == [0, 0]
+
+
+def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_blocks():
+    with serving(*TINY, "--workers", "1", "--request-timeout", "1", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
+        status, err = completion(s, [5, 6], max_tokens=2000)
+        assert status == 500 and "did not finish within 1 s" in err["error"]["message"]
+        wait_for_idle_workers(s, timeout=5)
+
+
+def test_sigterm_lets_running_requests_finish_and_leaves_nothing_behind():
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
+
+        async def go():
+            task = asyncio.ensure_future(stream_completions(s.url, PROMPTS[:3], 100))
+            await asyncio.sleep(0.5)
+            s.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            refused = await asyncio.get_running_loop().run_in_executor(None, lambda: completion(s, [1], max_tokens=2))
+            return await task, refused
+
+        s.children_seen()
+        got, (status, err) = asyncio.run(go())
+        assert all(g["error"] is None and g["text"] for g in got)
+        assert status == 503 and "shutting down" in err["error"]["message"]
+        assert s.proc.wait(15) == 0
+
+
+def test_the_main_process_never_loads_torch():
+    with serving(*TINY, "--workers", "1") as s:
+        assert completion(s, [1, 2], max_tokens=2)[0] == 200
+        with open(f"/proc/{s.proc.pid}/maps") as f:
+            maps = f.read()
+        assert "libtorch" not in maps and "libtorch" in open(f"/proc/{s.worker_pid(0)}/maps").read()
+
+
+def test_tcp_keeps_the_kv_caches_out_of_shared_memory():
+    with serving(*TINY, "--workers", "2", "--mode", "disagg", "--kv-transport", "tcp") as s:
+        assert completion(s, [1, 2, 3], max_tokens=2)[0] == 200
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"minipd_{s.proc.pid}_")]
+
+
+def test_too_little_shared_memory_is_one_line_at_start():
+    out = subprocess.run([sys.executable, "-m", "minipd", "serve", *TINY, "--kv-cache-tokens", str(10**9),
+                          "--port", "0"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "/dev/shm" in out.stderr and "--kv-transport tcp" in out.stderr
