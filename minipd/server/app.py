@@ -45,6 +45,9 @@ async def errors_as_json(request: web.Request, handler):
         if exc.status < 400:
             raise
         return json_error(ApiError(exc.reason, exc.status, type_="invalid_request_error"))
+    except ConnectionResetError:  # the client went away: nothing to answer, nothing wrong
+        log.debug("client of %s %s went away", request.method, request.path)
+        return web.Response(status=499)  # nginx's "client closed request"; nobody will read it
     except Exception:
         log.exception("unhandled error")
         return json_error(ApiError("internal server error", 500, type_="server_error"))
@@ -149,16 +152,26 @@ class Api:
 
     async def _stream(self, request, state, chat: bool, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        created, n = p.now(), 0
+        created = p.now()
 
-        async def send(obj: dict) -> None:
-            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        async def send(obj: dict | bytes) -> None:
+            data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
+            await resp.write(b"data: " + data + b"\n\n")
 
         def chunk(delta, finish_reason):
             make = p.chat_chunk if chat else p.completion_chunk
             return make(state.request_id, self.model_name, created, delta, finish_reason)
 
+        try:
+            await resp.prepare(request)
+            await self._stream_deltas(state, send, chunk, chat, include_usage)
+            await resp.write_eof()
+        except ConnectionResetError:  # the client went away mid-stream; _serve frees the request
+            log.debug("client of %s went away", state.request_id)
+        return resp
+
+    async def _stream_deltas(self, state, send, chunk, chat: bool, include_usage: bool) -> None:
+        n = 0
         if chat:
             await send(chunk({"role": "assistant", "content": ""}, None))
         while True:
@@ -178,9 +191,7 @@ class Api:
             obj["usage"] = p.usage(len(state.prompt_token_ids), n)
             obj["timeline"] = self.router.timeline(state.request_id)
             await send(obj)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        await send(b"[DONE]")
 
     # ---- the rest ----------------------------------------------------------------------
     async def models(self, request) -> web.Response:

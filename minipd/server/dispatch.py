@@ -60,11 +60,12 @@ class Dispatcher:
         if grant is None:  # a switch, its writer died, or it ended while waiting: go round again
             r.unassign(state)
             return state.finished
-        p.reader, seat = grant
-        state.events["seat_reserved"] = time.time()
-        if state.finished:
-            r.release_holders(state)  # ended while its seat was on the way
+        reader, seat = grant
+        if state.finished:  # it ended while its seat was on the way: nobody will write into it
+            r.pool.send(reader, m.Abort(p.key, writer_done=True))
             return True
+        p.reader = reader
+        state.events["seat_reserved"] = time.time()
         if not writer.alive:
             r.release_holders(state)
             return False

@@ -60,6 +60,7 @@ class Router:
         self.ready = False
         self.placing = 0  # placements under way (a switch waits for them)
         self.fault: str | None = None  # set when the router itself cannot go on
+        self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
@@ -78,8 +79,14 @@ class Router:
         state.deadline = time.monotonic() + lim.request_timeout
         self.requests[request_id] = state
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(prompt_token_ids))
-        asyncio.get_running_loop().create_task(self.dispatcher.place(state))
+        self.spawn(self.dispatcher.place(state))
         return state
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     def abort(self, request_id: str) -> None:
         state = self.requests.get(request_id)
@@ -147,6 +154,8 @@ class Router:
             self.seats.on_reply(msg)
         elif isinstance(msg, m.ModeSet):
             self.switcher.on_ack(msg)
+        elif isinstance(msg, m.SeatOverdue):
+            self._on_seat_overdue(msg)
         elif isinstance(msg, (m.Tokens, m.Event, m.RequestError)):
             self._on_request_message(msg)
         else:
@@ -175,6 +184,17 @@ class Router:
         else:
             log.info("request %s failed on worker %d: %s", state.request_id, msg.worker_id, msg.message)
             self.fail(state, msg.message, reporter=msg.worker_id)
+
+    def _on_seat_overdue(self, msg: m.SeatOverdue) -> None:
+        """A seat outlived its lease. Its reader waits for the writer's word before it gives the
+        blocks back: make sure that word comes, even for an attempt the router has forgotten."""
+        state = self.by_key.get(msg.key)
+        if state is not None and not state.finished:
+            self.fail(state, f"no KV arrived in its seat within {self.pool.spec_defaults['seat_timeout']:g} s")
+        elif self.pool.workers[msg.writer].alive:
+            self.pool.send(msg.writer, m.Abort(msg.key, reader=msg.worker_id))
+        else:
+            self.pool.send(msg.worker_id, m.Abort(msg.key, writer_done=True))
 
     def _on_stats(self, msg: m.WorkerStats) -> None:
         w = self.pool.workers[msg.worker_id]
@@ -243,7 +263,7 @@ class Router:
         state.redos.append({"time": time.time(), "cause": cause, "tokens_done": len(state.output_token_ids)})
         self.metrics.redos.labels(self.metrics.model).inc()
         log.info("redoing %s after %d tokens: %s", state.request_id, len(state.output_token_ids), cause)
-        asyncio.get_running_loop().create_task(self.dispatcher.place(state))
+        self.spawn(self.dispatcher.place(state))
 
     # ---- deadlines -----------------------------------------------------------------------------
     def check_deadlines(self) -> None:

@@ -91,6 +91,8 @@ class SeatBroker:
                 want.future.set_result((msg.worker_id, blocks))
             else:
                 self.give_back(msg.worker_id, key)
+                if not want.future.done():
+                    want.future.set_result(None)  # its request ended meanwhile
         if refused:
             w = self.pool.workers[msg.worker_id]
             self.full[msg.worker_id] = _available(w)

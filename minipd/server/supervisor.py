@@ -61,7 +61,7 @@ class Supervisor:
             fut.set_exception(RuntimeError(cause))
         self.router.on_worker_lost(worker_id, cause)
         if w.state == "restarting":
-            asyncio.get_running_loop().create_task(self._restart(worker_id))
+            self.router.spawn(self._restart(worker_id))
 
     async def _restart(self, worker_id: int) -> None:
         w = self.pool.workers[worker_id]

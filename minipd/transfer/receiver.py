@@ -131,9 +131,9 @@ class SeatTable:
                 keys.append(h.key)
         return keys
 
-    def overdue(self, lease: float) -> list[str]:
-        """Seats still waiting for their KV after `lease` seconds (their request is still wanted)."""
-        return [h.key for h in self.handoffs if not h.aborted and h.age > lease]
+    def overdue(self, lease: float) -> list[Handoff]:
+        """Seats still waiting for their KV after `lease` seconds (and not aborted yet)."""
+        return [h for h in self.handoffs if not h.aborted and h.age > lease]
 
     def _release(self, h: Handoff, stage: Stage) -> None:
         self.engine.release_seat(h.key)

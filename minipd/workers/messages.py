@@ -165,6 +165,15 @@ class WorkerStats:
 
 
 @message
+class SeatOverdue:
+    """A seat waited longer than its lease for its KV (its reader now waits only for the writer)."""
+
+    key: str
+    worker_id: int
+    writer: int
+
+
+@message
 class RequestError:
     key: str
     worker_id: int

@@ -253,9 +253,13 @@ class Worker:
             self.send_stats()
         elif time.monotonic() - since > self.spec.mode_timeout:
             self.pending_mode = None
+            held = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
+            held += [f"{h.key} ({'out' if h.writer == self.id else 'in'}: {h.stage.value}"
+                     f"{', aborted' if h.aborted else ''})" for h in (*self.outgoing, *self.seats.handoffs)]  # fmt: skip
+            log.warning("worker %d: cannot change its role; it still holds %s", self.id, held)
             self.send(m.ModeSet(self.id, self.engine.scheduler.config.role, msg.policy,
                                 f"worker {self.id} still held {busy} requests and handoffs after "
-                                f"{self.spec.mode_timeout:g} s"))  # fmt: skip
+                                f"{self.spec.mode_timeout:g} s: {', '.join(held[:5])}"))  # fmt: skip
 
     # ---- KV arriving (decode side) -------------------------------------------------------------
     def _on_kv(self, frames) -> None:
@@ -278,9 +282,9 @@ class Worker:
         self.send(m.Event(key, self.id, "seat_released", time.time(), {"stage": stage.value}))
 
     def _check_leases(self) -> None:
-        for key in self.seats.overdue(self.spec.seat_timeout):
-            self.send(m.RequestError(key, self.id, f"no KV arrived in its seat within {self.spec.seat_timeout:g} s"))
-            self.seats.abort(key)
+        for h in self.seats.overdue(self.spec.seat_timeout):
+            self.send(m.SeatOverdue(h.key, self.id, h.writer))
+            self.seats.abort(h.key)
 
     # ---- KV leaving (prefill side) ---------------------------------------------------------------
     def _write(self, key: str) -> None:
