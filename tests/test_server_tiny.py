@@ -306,3 +306,19 @@ def test_fields_real_clients_send_are_accepted(server):
         "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "seed": 3, "max_completion_tokens": 4,
         "temperature": 0.7, "top_p": 0.9})[1]  # fmt: skip
     assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]  # same seed
+
+
+def test_an_api_key_guards_v1_and_admin_but_not_health_metrics_or_the_page():
+    with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1", "--api-key", "sesame") as s:
+        for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": [1]}),
+                                   ("POST", "/v1/chat/completions", {"messages": []}), ("GET", "/admin/mode", None),
+                                   ("POST", "/admin/mode", {"mode": "chunked"}), ("GET", "/admin/workers", None),
+                                   ("GET", "/admin/events", None), ("GET", "/v1/requests/x/timeline", None)):  # fmt: skip
+            for key in (None, "wrong"):
+                status, err = http(method, s.url + path, body, api_key=key)
+                assert status == 401 and err["error"]["code"] == "invalid_api_key", (path, key)
+                assert set(err["error"]) == {"message", "type", "param", "code"}
+        for path in ("/health", "/metrics", "/", "/static/app.js"):
+            assert http("GET", s.url + path)[0] == 200, path
+        assert s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] == 200  # with the key
+        assert s.get("/admin/mode")[1] == {"mode": "colocated"}

@@ -21,9 +21,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 120) -> tuple[int, dict | str]:
+def http(method: str, url: str, body: dict | bytes | None = None, timeout: float = 120,
+         api_key: str | None = None) -> tuple[int, dict | str]:  # fmt: skip
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw = resp.status, resp.read()
@@ -44,21 +48,28 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "minipd", "serve", "--port", str(self.port), *args]
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="minipd-server-")
         self.log = open(os.path.join(log_dir, f"server-{self.port}.log"), "w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + ready_timeout
+        env = {**os.environ, **(env or {})}
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else env.get("MINIPD_API_KEY")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_ready(ready_timeout)
+            self.worker_pids = [w["pid"] for w in self.get("/admin/workers")[1]["workers"]]
+        except BaseException:
+            self.stop()  # nothing it started may outlive a failed start
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.output()}")
             try:
                 if http("GET", self.url + "/health", timeout=2)[0] == 200:
-                    break
+                    return
             except OSError:
                 pass
             time.sleep(0.3)
-        else:
-            self.stop()
-            raise RuntimeError(f"server not ready in time:\n{self.output()}")
-        self.worker_pids = [w["pid"] for w in self.get("/admin/workers")[1]["workers"]]
+        raise RuntimeError(f"server not ready in time:\n{self.output()}")
 
     def worker_pid(self, role: str | int) -> int:
         """The pid of worker `role` (an id, or the first worker with that role) right now."""
@@ -66,10 +77,10 @@ class ServerProcess:
         return next(w["pid"] for w in workers if w["id"] == role or w["role"] == role)
 
     def get(self, path: str):
-        return http("GET", self.url + path)
+        return http("GET", self.url + path, api_key=self.api_key)
 
     def post(self, path: str, body):
-        return http("POST", self.url + path, body)
+        return http("POST", self.url + path, body, api_key=self.api_key)
 
     def output(self) -> str:
         self.log.flush()

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -22,6 +23,7 @@ log = logging.getLogger("minipd.api")
 STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "invalid_request_error"),
           Overloaded: (429, "rate_limit_error"), Unavailable: (503, "server_error")}  # fmt: skip
 OPEN_PATHS = ("/health", "/metrics")
+STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 
 
 def json_error(err: ApiError) -> web.Response:
@@ -93,6 +95,8 @@ class Api:
             web.post("/admin/mode", self.post_mode),
             web.get("/admin/workers", self.workers),
             web.get("/admin/events", self.events),
+            web.get("/", self.page),
+            web.get("/static/{name}", self.static),
         ])  # fmt: skip
         return app
 
@@ -235,19 +239,29 @@ class Api:
     async def post_mode(self, request) -> web.Response:
         body = await self._body(request)
         cur = self.router.mode
-        unknown = set(body) - {"mode", "prefill_workers", "decode_workers", "chunk_tokens"}
+        unknown = set(body) - {"mode", "prefill_workers", "decode_workers", "chunk_tokens", "workers", "kv_link_gbps",
+                               "kv_link_latency_ms"}  # fmt: skip
         if unknown:
             raise InvalidRequest(f"unknown field(s) {sorted(unknown)}; /admin/mode takes mode, chunk_tokens, "
-                                 "prefill_workers and decode_workers", param=sorted(unknown)[0])  # fmt: skip
-        fields = {}
-        for name in ("prefill_workers", "decode_workers", "chunk_tokens"):
-            value = body.get(name, getattr(cur, name))
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidRequest(f"'{name}' must be an integer", param=name)
-            fields[name] = value
+                                 "workers, prefill_workers, decode_workers, kv_link_gbps and kv_link_latency_ms",
+                                 param=sorted(unknown)[0])  # fmt: skip
         name = body.get("mode", cur.name)
         if not isinstance(name, str):
             raise InvalidRequest("'mode' must be a string", param="mode")
+        fields = {}
+        for field in ("prefill_workers", "decode_workers", "chunk_tokens", "workers"):
+            value = body.get(field, getattr(cur, field))  # omitted fields keep their values
+            if (value is None and field != "workers") or isinstance(value, bool) or not isinstance(value, (int, type(None))):
+                raise InvalidRequest(f"'{field}' must be an integer", param=field)
+            fields[field] = value
+        for field in ("kv_link_gbps", "kv_link_latency_ms"):
+            value = body.get(field, getattr(cur, field))
+            if (value is None and field == "kv_link_latency_ms") or isinstance(value, bool) \
+                    or not isinstance(value, (int, float, type(None))):  # fmt: skip
+                raise InvalidRequest(f"'{field}' must be a number", param=field)
+            if field in body and self.kv_transport != "tcp":
+                raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
+            fields[field] = value
         await self.router.set_mode(Mode(name, **fields))
         return web.json_response(self.router.mode.as_dict())
 
@@ -295,6 +309,17 @@ class Api:
             raise
         finally:
             log_.unsubscribe(queue)
+
+    # ---- the teaching page (open, like /health: the page asks for the API key itself) ----------
+    async def page(self, request) -> web.FileResponse:
+        return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    async def static(self, request) -> web.FileResponse:
+        name = request.match_info["name"]
+        files = {f.name for f in STATIC.iterdir() if f.is_file()}
+        if name not in files:  # only the folder's own files: no path leaves it
+            raise NotFound(f"no static file {name!r}", code="not_found")
+        return web.FileResponse(STATIC / name, headers={"Cache-Control": "no-cache"})
 
     # ---- helpers -----------------------------------------------------------------------
     async def _body(self, request) -> dict:

@@ -11,6 +11,8 @@ import signal
 import socket
 import sys
 
+from minipd.cli_help import DefaultsFormatter
+
 log = logging.getLogger("minipd")
 
 
@@ -20,7 +22,7 @@ class UserError(Exception):
 
 def add_serve_parser(sub, add_engine_args) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible server", description=__doc__.splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                       formatter_class=DefaultsFormatter)  # fmt: skip
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
@@ -103,13 +105,16 @@ def preflight(args) -> tuple[list[dict], object]:
     if (args.kv_transport, args.device) in (("shm", "cuda"), ("cuda-ipc", "cpu")):
         raise UserError(f"--kv-transport {args.kv_transport} does not work with --device {args.device}; "
                         "use shm on cpu, cuda-ipc on cuda, or tcp on either")  # fmt: skip
+    if (args.kv_link_gbps is not None or args.kv_link_latency_ms) and args.kv_transport != "tcp":
+        raise UserError("--kv-link-gbps and --kv-link-latency-ms emulate a network link: they need --kv-transport tcp")
     try:
         check_exists(args.model)
     except ModelNotFound as err:
         raise UserError(str(err)) from None
     _check_port(args.host, args.port)
     configs = worker_configs(args)
-    mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens)
+    mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens,
+                kv_link_gbps=args.kv_link_gbps, kv_link_latency_ms=args.kv_link_latency_ms)
     try:
         mode.check(len(configs))
     except InvalidRequest as err:

@@ -20,12 +20,21 @@ class Mode:
     prefill_workers: int = 1
     decode_workers: int = 1
     chunk_tokens: int = 512
+    workers: int | None = None  # colocated and chunked: how many workers serve (None: all; the rest idle)
+    kv_link_gbps: float | None = None  # tcp transport: the emulated link's rate (None: unpaced)
+    kv_link_latency_ms: float = 0.0  # ... and its one-way latency
 
     def check(self, num_workers: int) -> None:
         if self.name not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {self.name!r}", param="mode")
         if self.chunk_tokens < 1:
             raise InvalidRequest("chunk_tokens must be >= 1", param="chunk_tokens")
+        if self.kv_link_gbps is not None and self.kv_link_gbps <= 0:
+            raise InvalidRequest("kv_link_gbps must be > 0 (or null: unpaced)", param="kv_link_gbps")
+        if self.kv_link_latency_ms < 0:
+            raise InvalidRequest("kv_link_latency_ms must be >= 0", param="kv_link_latency_ms")
+        if self.workers is not None and not 1 <= self.workers <= num_workers:
+            raise InvalidRequest(f"workers must be between 1 and {num_workers}, got {self.workers}", param="workers")
         if self.name == "disagg":
             p, d = self.prefill_workers, self.decode_workers
             if p < 1 or d < 1 or p + d > num_workers:
@@ -38,17 +47,22 @@ class Mode:
 
     def roles(self, num_workers: int) -> list[str]:
         if self.name != "disagg":
-            return ["both"] * num_workers
+            active = self.workers or num_workers
+            return ["both"] * active + ["idle"] * (num_workers - active)
         p, d = self.prefill_workers, self.decode_workers
         return ["prefill"] * p + ["decode"] * d + ["idle"] * (num_workers - p - d)
 
     def as_dict(self) -> dict:
         """Only the fields that mean something in this mode."""
-        if self.name == "chunked":
-            return {"mode": self.name, "chunk_tokens": self.chunk_tokens}
         if self.name == "disagg":
-            return {"mode": self.name, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers}
-        return {"mode": self.name}
+            out = {"mode": self.name, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers}
+            if self.kv_link_gbps is not None or self.kv_link_latency_ms:
+                out.update(kv_link_gbps=self.kv_link_gbps, kv_link_latency_ms=self.kv_link_latency_ms)
+            return out
+        out = {"mode": self.name, "chunk_tokens": self.chunk_tokens} if self.name == "chunked" else {"mode": self.name}
+        if self.workers is not None:
+            out["workers"] = self.workers
+        return out
 
 
 class ModeSwitcher:
@@ -102,7 +116,8 @@ class ModeSwitcher:
         self.acks = {w.worker_id: loop.create_future() for w in up}
         peers = r.pool.peers()
         for w in up:
-            r.pool.send(w.worker_id, m.SetMode(_engine_role(w.role), mode.policy, mode.chunk_tokens, peers))
+            r.pool.send(w.worker_id, m.SetMode(_engine_role(w.role), mode.policy, mode.chunk_tokens, peers,
+                                               [mode.kv_link_gbps, mode.kv_link_latency_ms]))  # fmt: skip
         done = set()
         if self.acks:
             done, _ = await asyncio.wait(self.acks.values(), timeout=self.ack_timeout)
@@ -121,7 +136,9 @@ class ModeSwitcher:
             w = r.pool.workers[worker_id]
             fut = asyncio.get_running_loop().create_future()
             self.acks[worker_id] = fut
-            r.pool.send(worker_id, m.SetMode(_engine_role(w.role), r.mode.policy, r.mode.chunk_tokens, r.pool.peers()))
+            mode = r.mode
+            r.pool.send(worker_id, m.SetMode(_engine_role(w.role), mode.policy, mode.chunk_tokens, r.pool.peers(),
+                                             [mode.kv_link_gbps, mode.kv_link_latency_ms]))  # fmt: skip
             error = await asyncio.wait_for(fut, timeout=self.ack_timeout)
             if error:
                 raise RuntimeError(error)
