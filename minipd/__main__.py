@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minipd.cli_help import DefaultsFormatter
+
 
 def add_engine_args(p) -> None:
     p.add_argument("--model", default=None,
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"minipd {version('minipd')}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer one prompt offline and exit",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                         formatter_class=DefaultsFormatter)  # fmt: skip
     gen.add_argument("prompt", help="the user's message (or, with --raw, the text to continue)")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -46,6 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     from minipd.server.cli import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
+    tools = {"demo": ("minipd.demo.main", "the interference stall, live, in each mode"),
+             "bench": ("minipd.bench.main", "the same traffic through each mode: goodput, link study, planner"),
+             "plan": ("minipd.bench.plan_main", "profile the workers and recommend a P:D split")}  # fmt: skip
+    for name, (_, text) in tools.items():
+        sub.add_parser(name, help=f"{text} (see its --help)", add_help=False)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] in tools:
+        import importlib
+
+        return importlib.import_module(tools[argv[0]][0]).run(argv[1:])
     args = parser.parse_args(argv)
     from minipd.models.files import ModelNotFound
 

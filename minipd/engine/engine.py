@@ -64,6 +64,7 @@ class Engine:
         )  # fmt: skip
         self.runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_storage)
         self.last_step = StepStats()
+        self.on_prefill_step = None  # (start, prefill tokens, decodes, prefilling ids): a step that reads prompt tokens begins
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -92,6 +93,11 @@ class Engine:
         self.last_step = stats
         if batch.is_empty:
             return []
+        if self.on_prefill_step is not None:
+            prefilling = [s.request_id for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill]
+            if prefilling:
+                tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill)
+                self.on_prefill_step(wall, tokens, len(batch.seqs) - len(prefilling), prefilling)
         try:
             sampled = self.runner.run(batch)
         except Exception as err:

@@ -150,6 +150,10 @@ class Router:
             self.events.publish({"type": "step", "worker": msg.worker_id, "time": msg.start, "end": msg.end,
                                  "prefill_tokens": msg.prefill_tokens, "decodes": msg.num_decodes,
                                  "keys": msg.keys, "prefilling": msg.prefilling})  # fmt: skip
+        elif isinstance(msg, m.StepStart):
+            self.events.publish({"type": "step_start", "worker": msg.worker_id, "time": msg.start,
+                                 "prefill_tokens": msg.prefill_tokens, "decodes": msg.num_decodes,
+                                 "prefilling": msg.prefilling})  # fmt: skip
         elif isinstance(msg, m.SeatsReserved):
             self.seats.on_reply(msg)
         elif isinstance(msg, m.ModeSet):

@@ -66,6 +66,7 @@ class SetMode:
     policy: str
     chunk_tokens: int
     peers: dict = field(default_factory=dict)  # worker id -> transfer.wire.Peer fields
+    link: list | None = None  # tcp: [gbps or None, latency_ms] of the emulated KV link
 
 
 @message
@@ -129,6 +130,17 @@ class Step:
     prefill_tokens: int
     num_decodes: int
     keys: list[str]
+    prefilling: list[str]
+
+
+@message
+class StepStart:
+    """A step that reads prompt tokens has begun (it may take a while)."""
+
+    worker_id: int
+    start: float
+    prefill_tokens: int
+    num_decodes: int
     prefilling: list[str]
 
 

@@ -68,6 +68,8 @@ class Worker:
         self.poller.register(self.kv_in, zmq.POLLIN)
         self.running = True
         self.last_stats = self.last_lease_check = 0.0
+        self.engine.on_prefill_step = lambda start, tokens, decodes, keys: self.send(
+            m.StepStart(self.id, start, tokens, decodes, keys))
         faults.install(self)
         cache = self.engine.runner.kv_cache
         handle = None
@@ -155,6 +157,8 @@ class Worker:
             self.send_stats()
         elif isinstance(msg, m.SetMode):
             self._set_peers(msg.peers)
+            if msg.link is not None and self.spec.kv_transport == "tcp":
+                self.sender.link = LinkEmulator(*msg.link)
             self.engine.set_policy(msg.policy, msg.chunk_tokens)
             self.pending_mode = (msg, time.monotonic())
             self._try_apply_mode()

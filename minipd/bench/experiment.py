@@ -1,0 +1,157 @@
+"""The experiments of `python -m minipd bench`: the same requests (same order, same arrival times)
+through each mode on the same workers; DistServe's goodput by a rate search; the KV-link study;
+and a probe showing whether admission (seating disaggregated requests) limits the rate."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from minipd.bench.client import run_load
+from minipd.bench.metrics import RequestRecord, distserve_goodput, per_worker, summarize
+from minipd.bench.target import Target
+from minipd.bench.workloads import BenchRequest, make_workload
+
+
+@dataclass(slots=True)
+class Settings:
+    num_prompts: int | None
+    duration: float | None
+    burstiness: float
+    seed: int
+    quick: bool
+    input_len: int | None
+    output_len: int | None
+    max_concurrency: int | None
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+    progress: bool = True
+
+
+def parse_modes(text: str) -> list[tuple[str, dict]]:
+    """'colocated,chunked:64,disagg:1p1d' -> [(label, /admin/mode body)]."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, variant = item.partition(":")
+        if name == "colocated":
+            out.append((item, {"mode": "colocated", "workers": None}))
+        elif name == "chunked":
+            out.append((item, {"mode": "chunked", "chunk_tokens": int(variant or 512), "workers": None}))
+        elif name == "disagg":
+            p, _, d = (variant or "1p1d").lower().removesuffix("d").partition("p")
+            out.append((item, {"mode": "disagg", "prefill_workers": int(p), "decode_workers": int(d)}))
+        elif name == "server":
+            out.append((item, {}))
+        else:
+            raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd]")
+    return out
+
+
+def workload(name: str, rate: float, s: Settings, max_model_len: int) -> list[BenchRequest]:
+    return make_workload(name, num_prompts=s.num_prompts, duration=s.duration, rate=rate, burstiness=s.burstiness,
+                         seed=s.seed, quick=s.quick, input_len=s.input_len, output_len=s.output_len,
+                         max_model_len=max_model_len)  # fmt: skip
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a run: carries what the run measured until then."""
+
+    def __init__(self, run: dict):
+        super().__init__()
+        self.run = run
+
+
+def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: Settings, **extra) -> dict:
+    """Switch the server to `body` (minipd only), then play the workload at `rate`."""
+    if target.is_minipd and body:
+        target.set_mode(body)
+    requests = workload(name, rate, s, target.max_model_len)
+    started = time.time()
+    got: dict = {}
+
+    async def play() -> None:
+        got["records"] = await run_load(target.url, target.model, requests, api_key=target.api_key,
+                                        max_concurrency=s.max_concurrency, seed=s.seed, progress=s.progress)  # fmt: skip
+
+    interrupted = False
+    try:
+        asyncio.run(play())
+    except KeyboardInterrupt:
+        interrupted = True
+    records = got.get("records", [])
+    duration = max((r.end_time or r.send_time) for r in records) - started if records else 0.0
+    run = {"workload": name, "mode": body.get("mode", "server"), "label": label, "mode_body": body, "rate": rate,
+           "burstiness": s.burstiness, "seed": s.seed, "quick": s.quick, "num_prompts": len(requests),
+           "duration": duration, "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms, "records": records,
+           "workers": target.num_workers, **extra}  # fmt: skip
+    run["summary"] = summarize(records, duration, s.slo_ttft_ms, s.slo_tpot_ms)
+    if interrupted:
+        run["interrupted"] = True
+        raise Interrupted(run)
+    return run
+
+
+def goodput_search(target: Target, name: str, label: str, body: dict, s: Settings, lo: float, hi: float,
+                   max_runs: int) -> dict:  # fmt: skip
+    """DistServe's goodput: the highest rate at which >= 90% of requests meet both SLOs, per worker."""
+    runs = []
+
+    def attainment(rate: float) -> float:
+        run = run_once(target, name, label, body, rate, s, search=True)
+        runs.append(run)
+        return run["summary"]["slo_attainment"] or 0.0
+
+    best, probes = distserve_goodput(attainment, lo=lo, hi=hi, tolerance=max(lo / 4, 0.02), max_runs=max_runs)
+    workers = _workers_used(body, target.num_workers)
+    return {"workload": name, "label": label, "goodput_rate": best, "workers": workers,
+            "goodput_per_worker": per_worker(best, workers), "probes": probes, "runs": runs}  # fmt: skip
+
+
+def _workers_used(body: dict, num_workers: int) -> int:
+    if body.get("mode") == "disagg":
+        return body["prefill_workers"] + body["decode_workers"]
+    return body.get("workers") or num_workers
+
+
+def crossover(link_points: list[tuple[float, float]], baseline: float, tolerance: float = 0.03) -> float | None:
+    """The lowest emulated link rate (Gb/s) from which disagg's goodput stays at or above the best
+    co-located mode's (within `tolerance`, relative: runs of one request set differ by noise in
+    their length); None if it never does in the range measured."""
+    baseline *= 1 - tolerance
+    above = [gbps for gbps, goodput in sorted(link_points) if goodput >= baseline]
+    if not above:
+        return None
+    lowest = min(above)
+    return lowest if all(g >= baseline for gb, g in link_points if gb >= lowest) else None
+
+
+def admission_probe(target: Target, s: Settings, body: dict, burst: int = 32) -> dict:
+    """`burst` requests arrive at once in disagg: how fast are they all seated, against the decode
+    step time (the old one-seat-per-decode-step design's ceiling)?"""
+    target.set_mode(body)
+    before = target.get("/admin/workers")[1]["seats"]
+    requests = [BenchRequest(i, 64, 16, 0.0) for i in range(burst)]
+    records = asyncio.run(run_load(target.url, target.model, requests, api_key=target.api_key, seed=s.seed,
+                                   progress=False))  # fmt: skip
+    after = target.get("/admin/workers")[1]["seats"]
+    waits = _seat_waits(records)
+    steps = [r.tpot for r in records if r.tpot]
+    step = statistics.median(steps) if steps else math.nan
+    seated_in = max(waits) if waits else math.nan
+    return {"burst": burst, "seat_batches": after["batches_sent"] - before["batches_sent"],
+            "seats_granted": after["granted"] - before["granted"], "all_seated_within_s": seated_in,
+            "median_seat_wait_s": statistics.median(waits) if waits else math.nan, "decode_step_s": step,
+            "one_seat_per_step_would_take_s": burst * step}  # fmt: skip
+
+
+def _seat_waits(records: list[RequestRecord]) -> list[float]:
+    out = []
+    for r in records:
+        t = r.server_timeline or {}
+        ev = t.get("events", {})
+        if "seat_reserved" in ev:
+            out.append(ev["seat_reserved"] - t["arrival"])
+    return out

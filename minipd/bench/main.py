@@ -1,0 +1,225 @@
+"""python -m minipd bench: the same traffic through colocated, chunked and disaggregated serving on
+the same workers, side by side: TTFT, TPOT, ITL, throughput, goodput under SLOs, DistServe's
+goodput (a rate search), the KV-link study and the P:D planner.
+
+It starts `minipd serve` itself (or measures a running server with --url: against another
+OpenAI-compatible server it runs the one mode that server has, with client-side numbers only).
+Timings are taken where the client receives tokens; minipd's timelines are added when present.
+
+    python -m minipd bench --quick --workloads chat,summarize --rates 0.2,0.4 --out bench-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minipd.cli_help import DefaultsFormatter
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=DefaultsFormatter)  # fmt: skip
+    g = ap.add_argument_group("target")
+    g.add_argument("--url", default=None, help="a running OpenAI-compatible server (default: start minipd)")
+    g.add_argument("--api-key", default=None, help="its API key, if it needs one")
+    g.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--workers", type=int, default=2, help="workers of the server this starts")
+    g.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
+    g.add_argument("--kv-transport", default=None, choices=["shm", "tcp"],
+                   help="for the server this starts (default: shm; tcp with --kv-link-gbps)")
+    g = ap.add_argument_group("traffic")
+    g.add_argument("--workloads", default="chat", help="comma-separated: chat, summarize, mixed, fixed")
+    g.add_argument("--input-len", type=int, default=None, help="fixed workload: prompt tokens")
+    g.add_argument("--output-len", type=int, default=None, help="fixed workload: reply tokens")
+    g.add_argument("--quick", action="store_true", help="lengths that fit a 2-core CPU (see minipd/bench/workloads.py)")
+    g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s) to sweep; inf = all at once")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
+    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
+    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
+    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
+    g = ap.add_argument_group("experiments")
+    g.add_argument("--modes", default="colocated,chunked:64,disagg:1p1d",
+                   help="minipd modes, run on the same requests: colocated, chunked[:TOKENS], disagg[:PpDd]")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO on time per output token")
+    g.add_argument("--goodput-search", action="store_true",
+                   help="DistServe's goodput: search the highest rate with >= 90%% of requests in both SLOs")
+    g.add_argument("--search-max-runs", type=int, default=6, help="probes per goodput search")
+    g.add_argument("--kv-link-gbps", default=None,
+                   help="link study: comma-separated emulated KV link rates (Gb/s) for disagg over tcp")
+    g.add_argument("--plan", action="store_true", help="profile the workers, plan P:D, and run the recommended split")
+    g.add_argument("--out", default="bench-out", help="folder for results.json, report.md and the plots")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    if args.num_prompts is None and args.duration is None:
+        args.num_prompts = 20
+    if (args.goodput_search or args.plan) and not (args.slo_ttft_ms and args.slo_tpot_ms):
+        ap.error("--goodput-search and --plan need --slo-ttft-ms and --slo-tpot-ms")
+    return args
+
+
+def run(argv=None) -> int:
+    args = parse_args(argv)
+    import json
+
+    from minipd.bench import experiment as ex
+    from minipd.bench import report
+    from minipd.bench.server_process import ServerProcess
+    from minipd.bench.target import Target
+
+    rates = [float(r) for r in args.rates.split(",")]
+    links = [float(x) for x in args.kv_link_gbps.split(",")] if args.kv_link_gbps else []
+    settings = ex.Settings(args.num_prompts, args.duration, args.burstiness, args.seed, args.quick, args.input_len,
+                           args.output_len, args.max_concurrency, args.slo_ttft_ms, args.slo_tpot_ms,
+                           not args.no_progress)  # fmt: skip
+    server = None
+    if args.url:
+        target = Target.probe(args.url, args.api_key)
+    else:
+        transport = args.kv_transport or ("tcp" if links else "shm")
+        extra = ["--model", args.model] if args.model else []
+        print(f"starting minipd serve ({args.workers} workers, {args.threads_per_worker} thread each, {transport})",
+              file=sys.stderr)  # fmt: skip
+        server = ServerProcess("--workers", str(args.workers), "--threads-per-worker", str(args.threads_per_worker),
+                               "--kv-transport", transport, "--log-level", "warning", *extra)  # fmt: skip
+        target = Target.probe(server.url)
+    modes = ex.parse_modes(args.modes) if target.is_minipd else [("server", {})]
+    runs, searches, link_runs, notes = [], [], [], {}
+    try:
+        for name in args.workloads.split(","):
+            for rate in rates:
+                for label, body in modes:
+                    runs.append(ex.run_once(target, name, label, body, rate, settings))
+                    _say(runs[-1])
+            if args.goodput_search:
+                for label, body in modes:
+                    found = ex.goodput_search(target, name, label, body, settings, lo=min(rates), hi=8 * max(rates),
+                                              max_runs=args.search_max_runs)  # fmt: skip
+                    searches.append(found)
+                    print(f"goodput {name} {label}: {found['goodput_rate']:.2f} req/s "
+                          f"({found['goodput_per_worker']:.2f} per worker)", file=sys.stderr)  # fmt: skip
+            for gbps in links if target.is_minipd else []:
+                body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": gbps}
+                link_runs.append(ex.run_once(target, name, f"disagg@{gbps:g}Gb/s", body, rates[0], settings, link=gbps))
+                _say(link_runs[-1])
+        if target.is_minipd and any(b.get("mode") == "disagg" for _, b in modes) and target.num_workers >= 2:
+            body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None}
+            if target.kv_transport != "tcp":
+                body.pop("kv_link_gbps")
+            notes["admission"] = ex.admission_probe(target, settings, body)
+        if args.plan and target.is_minipd:
+            notes["plan"] = _plan_and_run(target, args, settings, runs)
+    except ex.Interrupted as stop:
+        runs.append(stop.run)
+        notes["interrupted"] = True
+        print("interrupted: writing what was measured", file=sys.stderr)
+    except KeyboardInterrupt:
+        notes["interrupted"] = True
+        print("interrupted: writing what was measured", file=sys.stderr)
+    finally:
+        if server is not None:
+            server.stop()
+    everything = runs + link_runs + [r for s in searches for r in s["runs"]]
+    report.write_results(args.out, everything)
+    report.plot_runs(args.out, runs)
+    extra = _extra_sections(args, runs, searches, link_runs, notes, report)
+    with open(f"{args.out}/notes.json", "w") as f:
+        json.dump(report._plain({"searches": [{k: v for k, v in s.items() if k != "runs"} for s in searches],
+                                 **notes}), f, indent=1, default=str)  # fmt: skip
+    report.write_report_md(args.out, runs, "minipd bench", "python -m minipd bench " + " ".join(sys.argv[2:] if
+                           argv is None else argv), extra)  # fmt: skip
+    print(f"wrote {args.out}/report.md, results.json and the plots", file=sys.stderr)
+    return 130 if notes.get("interrupted") else 0
+
+
+def _say(run: dict) -> None:
+    s = run["summary"]
+    att = "" if s["slo_attainment"] is None else f", SLO attainment {s['slo_attainment']:.0%}"
+    print(f"{run['workload']:>9} {run['label']:>18} @ {run['rate']:g} req/s: {s['completed']}/{s['num_requests']} done, "
+          f"TTFT p50 {s['median_ttft_ms'] or 0:.0f} ms, TPOT p50 {s['median_tpot_ms'] or 0:.0f} ms{att}",
+          file=sys.stderr)  # fmt: skip
+
+
+def _plan_and_run(target, args, settings, runs) -> dict:
+    from minipd.bench import experiment as ex
+    from minipd.bench import plan
+
+    print("profiling the workers for the planner…", file=sys.stderr)
+    profile = plan.profile(target, quick=args.quick)
+    out = {"profile": profile.as_dict(), "plans": {}}
+    for name in args.workloads.split(","):
+        reqs = ex.workload(name, max(float(r) for r in args.rates.split(",")), settings, target.max_model_len)
+        traffic = plan.Traffic(float(args.rates.split(",")[0]), sum(r.prompt_len for r in reqs) / len(reqs),
+                               sum(r.output_len for r in reqs) / len(reqs))  # fmt: skip
+        here = plan.recommend(profile, traffic, target.num_workers, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+        fleet = plan.recommend(profile, plan.Traffic(traffic.rate * 4, traffic.prompt_tokens, traffic.output_tokens),
+                               8, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)  # fmt: skip
+        best = here["best"]
+        body = ({"mode": "colocated", "workers": None} if best["split"] == "colocated" else
+                {"mode": "disagg", "prefill_workers": best["prefill"], "decode_workers": best["decode"]})  # fmt: skip
+        checked = ex.run_once(target, name, f"plan: {best['split']}", body, traffic.rate, settings, plan=True)
+        runs.append(checked)
+        s = checked["summary"]
+        out["plans"][name] = {"here": here, "fleet_of_8_at_4x_rate": fleet, "text": plan.explain(here, profile),
+                              "fleet_text": plan.explain(fleet, profile),
+                              "rule": plan.nanopd_rule(profile, best["decode_batch"] or 1.0),
+                              "run": {"split": best["split"], "slo_attainment": s["slo_attainment"],
+                                      "median_ttft_ms": s["median_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"],
+                                      "met": (s["slo_attainment"] or 0) >= 0.9}}  # fmt: skip
+    return out
+
+
+def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
+    from minipd.bench import experiment as ex
+
+    out = []
+    if searches:
+        out += ["## DistServe goodput (highest rate with >= 90% of requests within both SLOs)", "",
+                "| workload | mode | goodput (req/s) | workers | per worker | probes (rate: attainment) |",
+                "|---|---|---|---|---|---|"]  # fmt: skip
+        for s in searches:
+            probes = ", ".join(f"{r:.2f}: {a:.0%}" for r, a in s["probes"])
+            out.append(f"| {s['workload']} | {s['label']} | {s['goodput_rate']:.2f} | {s['workers']} "
+                       f"| {s['goodput_per_worker']:.2f} | {probes} |")  # fmt: skip
+        out.append("")
+    if link_runs:
+        out += ["## KV link study (disagg over tcp at each emulated link rate)", ""]
+        for name in dict.fromkeys(r["workload"] for r in link_runs):
+            points = [(r["link"], r["summary"]["goodput"] or 0.0) for r in link_runs if r["workload"] == name]
+            base = {r["label"]: r["summary"]["goodput"] or 0.0 for r in runs
+                    if r["workload"] == name and r["rate"] == link_runs[0]["rate"] and r["mode"] != "disagg"}  # fmt: skip
+            best = max(base.values()) if base else 0.0
+            cross = ex.crossover(points, best)
+            report.plot_link_study(f"{args.out}/link_study_{name}.png", points, base)
+            rows = ", ".join(f"{g:g} Gb/s: {v:.2f}" for g, v in sorted(points))
+            verdict = (f"disagg matches the best co-located mode ({best:.2f} req/s) from **{cross:g} Gb/s** up"
+                       if cross is not None else f"disagg never reached the best co-located mode ({best:.2f} req/s) "
+                       "in the range measured")  # fmt: skip
+            out += [f"- `{name}`: goodput {rows}; {verdict}. ![link study](link_study_{name}.png)"]
+            plans = notes.get("plan", {}).get("plans", {})
+            if name in plans:
+                rule = plans[name]["rule"]
+                out.append(f"  - nanoPD's rule predicts a crossover at {rule['predicted_crossover_gbps']:.3g} Gb/s "
+                           f"(interference {rule['interference_per_token_s'] * 1e3:.3f} ms/token, B* = "
+                           f"{rule['compute_bound_batch']:.1f}, decode batch {rule['decode_batch']:.1f}).")  # fmt: skip
+        out.append("")
+    if "admission" in notes:
+        a = notes["admission"]
+        out += ["## Admission is not the bottleneck", "",
+                f"{a['burst']} disaggregated requests arriving at once were all seated within "
+                f"{a['all_seated_within_s'] * 1e3:.0f} ms (median wait {a['median_seat_wait_s'] * 1e3:.0f} ms), in "
+                f"{a['seat_batches']} batch(es) for {a['seats_granted']} seats. A decode step took "
+                f"{a['decode_step_s'] * 1e3:.0f} ms: at one seat per decode step (the old design) seating them would "
+                f"have taken {a['one_seat_per_step_would_take_s']:.1f} s.", ""]  # fmt: skip
+    for name, p in notes.get("plan", {}).get("plans", {}).items():
+        r = p["run"]
+        out += [f"## Plan for `{name}`", "", p["text"], "",
+                f"Run of the recommended split at that rate: SLO attainment {r['slo_attainment'] or 0:.0%}, TTFT p50 "
+                f"{r['median_ttft_ms'] or 0:.0f} ms, TPOT p50 {r['median_tpot_ms'] or 0:.0f} ms: "
+                f"{'met' if r['met'] else 'NOT met'} (>= 90% in SLO).", "",
+                "For a fleet of 8 workers at 4x the rate:", "", p["fleet_text"], ""]  # fmt: skip
+    if notes.get("interrupted"):
+        out += ["**Interrupted**: the runs above are what was measured before Ctrl-C.", ""]
+    return "\n".join(out)

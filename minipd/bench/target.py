@@ -1,0 +1,65 @@
+"""The server a benchmark runs against: minipd (whose mode it can switch and whose timelines and
+worker stats it can read), or any other OpenAI-compatible server (one mode, client-side numbers only)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Target:
+    url: str
+    model: str
+    api_key: str | None = None
+    is_minipd: bool = False
+    num_workers: int = 1
+    max_model_len: int = 8192
+    kv_transport: str | None = None
+
+    @classmethod
+    def probe(cls, url: str, api_key: str | None = None) -> Target:
+        url = url.rstrip("/").removesuffix("/v1")
+        t = cls(url, "", api_key)
+        status, models = t.get("/v1/models")
+        if status != 200:
+            raise RuntimeError(f"{url}/v1/models answered {status}: {models}")
+        card = models["data"][0]
+        t.model = card["id"]
+        t.max_model_len = int(card.get("max_model_len") or 8192)
+        status, workers = t.get("/admin/workers")
+        if status == 200 and isinstance(workers, dict) and "workers" in workers:
+            t.is_minipd = True
+            t.num_workers = len(workers["workers"])
+            t.kv_transport = workers.get("kv_transport")
+        return t
+
+    def get(self, path: str):
+        return self._call("GET", path)
+
+    def post(self, path: str, body: dict):
+        return self._call("POST", path, body)
+
+    def set_mode(self, body: dict) -> dict:
+        status, got = self.post("/admin/mode", body)
+        if status != 200:
+            raise RuntimeError(f"switching to {body} failed: {got}")
+        return got
+
+    def _call(self, method: str, path: str, body: dict | None = None):
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=900) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, raw = err.code, err.read()
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")

@@ -1,0 +1,1 @@
+"""The teaching demo: the interference stall, live, from the real engine."""

@@ -1,0 +1,92 @@
+"""`python -m minipd bench` end to end: against another OpenAI-compatible server (a stand-in with
+no minipd extensions) and against minipd itself (the modes side by side on the same requests)."""
+
+import asyncio
+import json
+import threading
+
+import pytest
+from aiohttp import web
+
+from minipd.bench.main import run
+from tests.helpers import serving
+
+
+class StandInServer:
+    """A plain OpenAI-compatible completions server in a thread: no /admin, no timeline."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": "other-model", "object": "model"}]})
+
+    async def completions(self, request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(0.005)
+            chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": f" w{i}"}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_bench_runs_unchanged_against_another_openai_server(tmp_path):
+    server = StandInServer()
+    try:
+        code = run(["--url", server.url, "--quick", "--num-prompts", "5", "--rates", "20", "--slo-ttft-ms", "500",
+                    "--slo-tpot-ms", "100", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    finally:
+        server.stop()
+    assert code == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["params"]["label"] for r in runs] == ["server"]  # one mode: the server's own
+    summary = runs[0]["summary"]
+    assert summary["completed"] == 5 and summary["slo_attainment"] == 1.0
+    assert all(r["server_timeline"] is None for r in runs[0]["records"])
+    assert "server" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_puts_the_modes_side_by_side_on_the_same_requests(tmp_path):
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1") as s:
+        code = run(["--url", s.url, "--quick", "--num-prompts", "6", "--rates", "8", "--workloads", "chat,summarize",
+                    "--modes", "colocated,chunked:16,disagg:1p1d", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "200",
+                    "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    assert code == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    labels = [(r["params"]["workload"], r["params"]["label"]) for r in runs]
+    assert labels == [(w, m) for w in ("chat", "summarize") for m in ("colocated", "chunked:16", "disagg:1p1d")]
+    for w in ("chat", "summarize"):
+        shapes = [[(q["prompt_len"], q["output_len_wanted"]) for q in r["records"]] for r in runs
+                  if r["params"]["workload"] == w]  # fmt: skip
+        assert shapes[0] == shapes[1] == shapes[2]  # the same requests through every mode
+    disagg = [r for r in runs if r["params"]["label"] == "disagg:1p1d"]
+    assert all(q["server_timeline"]["kv_transfer"]["bytes"] > 0 for r in disagg for q in r["records"])
+    report = (tmp_path / "report.md").read_text()
+    assert "Admission is not the bottleneck" in report and "slo_attainment_chat.png" in report
+    notes = json.loads((tmp_path / "notes.json").read_text())
+    assert notes["admission"]["seat_batches"] < notes["admission"]["burst"]
