@@ -1,136 +1,158 @@
-"""minipd vs Hugging Face transformers on the same model, dtype and thread count, in one run.
+"""minipd's engine against Hugging Face transformers on the same model, dtype and thread count,
+side by side in one run (alternating rounds, best of each, as the machine is noisy).
 
-Prints prefill tokens/s (512, 2048 tokens) and decode tokens/s (batch 1, 8, 32), each with the
-ratio minipd/HF and the hardware floor (decode: weight bytes / measured memory bandwidth;
-prefill: FLOPs / measured matmul rate).
+Rows: prefill (512 and 2048 tokens) and decode at batch 1, 8 and 32 with contexts of 512 and
+2048 tokens, mixed in a batch. Each row prints tokens/s for both, the ratio minipd/HF, and the
+hardware floor for this machine, measured in this process with the same threads: decode must
+read every weight once per step (the tied embedding counts once, as the LM head) and every
+sequence's KV, at the measured read bandwidth; prefill needs 2 FLOPs per weight per token of
+the decoder layers (the embedding is a lookup; the LM head runs for the last token only) at the
+measured matmul rate. About 5-10 minutes on 2 cores with the default model.
 
-    python scripts/bench_engine.py --dtype float32 --threads 1
+    python scripts/bench_engine.py --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-
-import torch
-
-from minipd.config import EngineConfig
-from minipd.engine.engine import Engine
-from minipd.models.loader import load_model, resolve
-from minipd.sampling_params import SamplingParams
 
 
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def memory_bandwidth() -> float:
-    """Bytes per second moved (read + write) by a large copy."""
-    src = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    t = best_of(lambda: dst.copy_(src), 5)
-    return 2 * src.numel() * 4 / t
-
-
-def matmul_rate(dtype) -> float:
-    a = torch.randn(2048, 2048, dtype=dtype)
-    b = torch.randn(2048, 2048, dtype=dtype)
-    t = best_of(lambda: a @ b, 3)
-    return 2 * 2048**3 / t
-
-
-def minipd_prefill(engine: Engine, n: int) -> float:
-    def run():
-        engine.add_request("p", list(range(100, 100 + n)), SamplingParams(max_tokens=1, temperature=0))
-        engine.step()
-        assert not engine.has_unfinished()
-    run()
-    return n / best_of(run, 2)
-
-
-def hf_prefill(hf, n: int) -> float:
-    x = torch.arange(100, 100 + n)[None]
-    run = lambda: hf(x, logits_to_keep=1, use_cache=True)  # noqa: E731
-    run()
-    return n / best_of(run, 2)
-
-
-def minipd_decode(engine: Engine, batch: int, ctx: int, steps: int) -> float:
-    for i in range(batch):
-        engine.add_request(f"d{i}", list(range(100 + i, 100 + i + ctx)),
-                           SamplingParams(max_tokens=steps + 3, temperature=0, ignore_eos=True))  # fmt: skip
-    while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
-        engine.step()
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - t
-    for i in range(batch):
-        engine.abort_request(f"d{i}")
-    return batch * steps / elapsed
-
-
-def hf_decode(hf, batch: int, ctx: int, steps: int) -> float:
-    from transformers import DynamicCache
-
-    x = torch.stack([torch.arange(100 + i, 100 + i + ctx) for i in range(batch)])
-    cache = DynamicCache()
-    out = hf(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    t = time.perf_counter()
-    for _ in range(steps):
-        out = hf(nxt, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    return batch * steps / (time.perf_counter() - t)
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per row")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its best")
+    ap.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    ap.add_argument("--quick", action="store_true", help="batches 1 and 8, one round")
+    return ap.parse_args()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=128, help="prompt length before the decode steps")
-    args = ap.parse_args()
+    args = parse_args()
+    import random
+    import time
+
+    import torch
+
+    from minipd.config import EngineConfig
+    from minipd.engine.engine import Engine
+    from minipd.models.files import resolve
+    from minipd.models.loader import load_model
+    from minipd.sampling_params import SamplingParams
+
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
+    rounds = 1 if args.quick else args.rounds
 
-    from transformers import AutoModelForCausalLM
+    def best_of(fn, repeats: int) -> float:
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    def read_bandwidth() -> float:
+        """Bytes per second read by a reduction over 512 MB (a read stream, no writes)."""
+        x = torch.ones(128 * 2**20, dtype=torch.float32)
+        return x.numel() * 4 / best_of(lambda: x.sum(), 5)
+
+    def matmul_rate() -> float:
+        a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        return 2 * 2048 * 576 * 1536 / best_of(lambda: a @ b, 5)
+
+    from transformers import AutoModelForCausalLM, DynamicCache
 
     model = load_model(args.model, dtype, "cpu")
     hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).eval()
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_tokens=32 * 512), model=model)
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = params * model.embed_tokens.weight.element_size()
-    bw, rate = memory_bandwidth(), matmul_rate(dtype)
-    print(f"model {args.model or 'SmolLM2-135M-Instruct'}  dtype {args.dtype}  threads {args.threads}  "
-          f"params {params / 1e6:.1f}M  weights {weight_bytes / 1e6:.0f} MB")  # fmt: skip
-    print(f"measured: copy bandwidth {bw / 1e9:.1f} GB/s (read+write), matmul {rate / 1e9:.0f} GFLOP/s")
-    print(f"{'what':<22}{'minipd':>12}{'HF':>12}{'ratio':>8}{'floor':>12}{'% of floor':>12}")
-    def alternate(a, b, rounds=args.rounds):
-        """Run the two side by side, alternating, and keep each one's best (the machine is noisy)."""
+    cfg = model.config
+    layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
+    all_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
+    esize = torch.empty((), dtype=dtype).element_size()
+    kv_per_token = cfg.kv_bytes_per_token(esize)
+    bw, rate = read_bandwidth(), matmul_rate()
+    print(f"model {args.model or 'SmolLM2-135M-Instruct'}  {args.dtype}  threads {args.threads}  "
+          f"weights {all_params * esize / 1e6:.0f} MB  KV {kv_per_token / 1e3:.1f} kB/token")  # fmt: skip
+    print(f"measured here: read bandwidth {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s")
+    print(f"{'what':<34}{'minipd':>10}{'HF':>10}{'ratio':>8}{'floor':>10}{'of floor':>10}")
+
+    def row(name: str, m: float, h: float, floor: float) -> None:
+        print(f"{name:<34}{m:>10.1f}{h:>10.1f}{m / h:>8.2f}{floor:>10.1f}{100 * m / floor:>9.0f}%", flush=True)
+
+    def alternate(a, b):
         ra, rb = [], []
         for _ in range(rounds):
             ra.append(a())
             rb.append(b())
         return max(ra), max(rb)
 
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_tokens=max(batches) * 2064 + 64,
+                                 max_num_seqs=max(batches), max_num_batched_tokens=4096), model=model)  # fmt: skip
+
+    def minipd_prefill(n: int) -> float:
+        def run():
+            engine.add_request("p", list(range(100, 100 + n)), SamplingParams(max_tokens=1, temperature=0))
+            engine.step()
+            assert not engine.has_unfinished()
+
+        run()
+        return n / best_of(run, 2)
+
+    def hf_prefill(n: int) -> float:
+        x = torch.arange(100, 100 + n)[None]
+        run = lambda: hf(x, logits_to_keep=1, use_cache=True)  # noqa: E731
+        run()
+        return n / best_of(run, 2)
+
+    def contexts(batch: int, longest: int) -> list[int]:
+        rng = random.Random(batch * longest)
+        return [longest] + [rng.randint(512, longest) for _ in range(batch - 1)] if longest > 512 else [512] * batch
+
+    def minipd_decode(ctx: list[int]) -> float:
+        for i, n in enumerate(ctx):
+            engine.add_request(f"d{i}", [100 + (i + j) % 40000 for j in range(n)],
+                               SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True))  # fmt: skip
+        while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
+            engine.step()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        elapsed = time.perf_counter() - t
+        for i in range(len(ctx)):
+            engine.abort_request(f"d{i}")
+        return len(ctx) * args.steps / elapsed
+
+    def hf_decode(ctx: list[int]) -> float:
+        longest = max(ctx)
+        x = torch.zeros(len(ctx), longest, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for i, n in enumerate(ctx):  # left padding, as HF batches mixed lengths
+            x[i, longest - n :] = torch.tensor([100 + (i + j) % 40000 for j in range(n)])
+            mask[i, longest - n :] = 1
+        cache = DynamicCache()
+        out = hf(x, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            mask = torch.cat([mask, torch.ones(len(ctx), 1, dtype=mask.dtype)], dim=1)
+            out = hf(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        return len(ctx) * args.steps / (time.perf_counter() - t)
+
     with torch.inference_mode():
         for n in (512, 2048):
-            m, h = alternate(lambda: minipd_prefill(engine, n), lambda: hf_prefill(hf, n))
-            floor = rate / (2 * params)  # tokens/s if every matmul ran at peak; attention ignored
-            print(f"{'prefill ' + str(n) + ' tok/s':<22}{m:>12.0f}{h:>12.0f}{m / h:>8.2f}{floor:>12.0f}{100 * m / floor:>11.0f}%")
-        for b in (1, 8, 32):
-            m, h = alternate(lambda: minipd_decode(engine, b, args.ctx, args.steps),
-                             lambda: hf_decode(hf, b, args.ctx, args.steps))
-            floor = b * bw / weight_bytes  # one full read of the weights per step
-            print(f"{'decode b=' + str(b) + ' tok/s':<22}{m:>12.1f}{h:>12.1f}{m / h:>8.2f}{floor:>12.1f}{100 * m / floor:>11.0f}%")
+            m, h = alternate(lambda: minipd_prefill(n), lambda: hf_prefill(n))
+            row(f"prefill {n} tok/s", m, h, rate / (2 * layer_params))
+        for b in batches:
+            for longest in (512, 2048):
+                ctx = contexts(b, longest)
+                m, h = alternate(lambda: minipd_decode(ctx), lambda: hf_decode(ctx))
+                step_bytes = all_params * esize + sum(ctx) * kv_per_token
+                what = f"decode b={b} ctx {min(ctx)}-{max(ctx)} tok/s"
+                row(what, m, h, b * bw / step_bytes)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ import torch
 
 from minipd.engine.sampler import sample
 from minipd.engine.scheduler import ScheduledBatch
+from minipd.models import cpu_kernels
 from minipd.models.attention import AttentionMetadata, PrefillSpan
+from minipd.models.linear import use_cpu_kernels
 from minipd.models.llama import LlamaForCausalLM
 
 
@@ -26,6 +28,8 @@ class ModelRunner:
             self.kv_cache = kv_storage(num_bytes)[:num_bytes].view(self.dtype).view(shape)
         if self.device.type == "cpu":
             self.kv_cache.zero_()  # touch every page now, not on the first handoff into it
+        self.read_in_place = self.device.type == "cpu" and cpu_kernels.available()
+        use_cpu_kernels(model)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:
@@ -61,8 +65,16 @@ class ModelRunner:
 
     def _metadata(self, seqs, counts, slots, num_decodes: int) -> AttentionMetadata:
         """seqs are ordered decodes first: the first num_decodes rows are one-token decodes."""
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
-        if num_decodes:
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                                 block_size=self.block_size)  # fmt: skip
+        if num_decodes and self.read_in_place:
+            decodes = seqs[:num_decodes]
+            width = max(len(s.block_table) for s in decodes)
+            meta.num_decodes = num_decodes
+            meta.decode_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes])
+            meta.decode_rows = torch.arange(num_decodes)
+            meta.decode_positions = torch.tensor([s.num_computed_tokens for s in decodes])
+        elif num_decodes:
             ctx = [s.num_computed_tokens + 1 for s in seqs[:num_decodes]]
             meta.num_decodes = num_decodes
             meta.decode_slots = self._context_slots(seqs[:num_decodes], max(ctx))

@@ -1,16 +1,21 @@
-"""The whole batch sampled in a few tensor operations: temperature, top-k and top-p on the
-probabilities, then one uniform number per row drawn through the row's cumulative distribution.
+"""The whole batch sampled in a few tensor operations: temperature, then top-k and top-p on the
+probabilities, then the exponential race (the argmax of probs / noise with noise ~ Exp(1) draws
+from probs; a tiny change in the probabilities rarely changes the winner).
 
-A seeded request's uniform for its output token i is a hash of (seed, i) and nothing else, so the
-request draws the same tokens whatever it is batched with, after a preemption or a handoff."""
+A request's noise for its output token i and vocabulary entry v is a hash of (seed, i, v) and
+nothing else: a seeded request draws the same tokens whatever it is batched with, after a
+preemption or a handoff, on CPU or CUDA. An unseeded request gets a random seed per token."""
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from minipd.sampling_params import SamplingParams
 
 CANDIDATES = 256  # top-p looks at this many best tokens first, and at all of them only if it must
+_GOLDEN = -1640531527  # 0x9E3779B9 as a signed int32
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int]) -> list[int]:
@@ -25,18 +30,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     sub = [params[i] for i in sampled_rows]
     temperature = torch.tensor([p.temperature for p in sub], device=dev)
     probs = torch.softmax(logits.index_select(0, rows) / temperature[:, None], dim=-1)
+    ids = None  # the vocabulary ids of probs' columns, when only candidates are kept
     top_k, top_p = [p.top_k for p in sub], [p.top_p for p in sub]
     if any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p):
-        probs = _keep_top(probs, top_k, top_p)
-    cdf = probs.double().cumsum(dim=-1)  # float32 sums drift by more than a token's width over 49k tokens
-    u = _uniforms([p.seed for p in sub], [output_index[i] for i in sampled_rows], dev)
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+        probs, ids = _keep_top(probs, top_k, top_p)  # ids None: the whole vocabulary is kept in place
+    keys = [_key(p.seed, output_index[i]) for p, i in zip(sub, sampled_rows)]
+    columns = ids if ids is not None else torch.arange(probs.shape[-1], device=dev).expand(len(sub), -1)
+    picked = (probs / _exponential(torch.tensor(keys, dtype=torch.int32, device=dev), columns)).argmax(dim=-1)
+    if ids is not None:
+        picked = ids.gather(1, picked[:, None]).squeeze(1)
     tokens.index_copy_(0, rows, picked)
     return tokens.tolist()
 
 
-def _keep_top(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Zero all but each row's top_k tokens and the smallest set of them reaching top_p."""
+def _keep_top(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's candidates, best first: (their probabilities, 0 where dropped; their vocabulary ids).
+    Kept: the top_k best, and of those the smallest set reaching top_p."""
     vocab = probs.shape[-1]
     k = [kk if 0 < kk < vocab else vocab for kk in top_k]
     width = min(vocab, max(min(kk, CANDIDATES) if q < 1.0 else kk for kk, q in zip(k, top_p)))
@@ -44,28 +53,48 @@ def _keep_top(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torc
     if width < vocab and any(
         q < 1.0 and kk > width and mass < q for kk, q, mass in zip(k, top_p, values.sum(dim=-1).tolist())
     ):
-        values, order = probs.sort(dim=-1, descending=True)  # a nucleus wider than the candidates
-        width = vocab
+        return _keep_top_wide(probs, k, top_p), None  # a nucleus wider than the candidates
     ranks = torch.arange(width, device=probs.device)[None, :]
     keep = ranks < torch.tensor(k, device=probs.device)[:, None]
     before = values.cumsum(dim=-1) - values  # mass of the better tokens
     keep &= before < torch.tensor(top_p, device=probs.device)[:, None]
-    return torch.zeros_like(probs).scatter_(-1, order, values * keep)
+    return values * keep, order
 
 
-def _uniforms(seeds: list[int | None], index: list[int], device) -> torch.Tensor:
-    """One number in (0, 1) per row: hashed from (seed, index) when seeded, else random."""
-    out = torch.rand(len(seeds), device=device, dtype=torch.float64)
-    for r, seed in enumerate(seeds):
-        if seed is not None:
-            out[r] = _hash_to_unit(seed, index[r])
-    return out
+def _keep_top_wide(probs: torch.Tensor, k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The same on the whole vocabulary without sorting it: the nucleus is every token at or above
+    the highest probability threshold whose tokens still reach top_p, found by bisection."""
+    kth = torch.stack([probs[r].topk(kk).values[-1] if kk < probs.shape[-1] else probs.new_zeros(())
+                       for r, kk in enumerate(k)])  # fmt: skip
+    target = torch.tensor(top_p, device=probs.device, dtype=probs.dtype)
+    lo, hi = torch.zeros_like(target), probs.max(dim=-1).values
+    for _ in range(32):
+        mid = (lo + hi) / 2
+        enough = (probs * (probs >= mid[:, None])).sum(dim=-1) >= target
+        lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid)
+    keep = (probs >= lo[:, None]) & (probs >= kth[:, None])
+    return probs * keep
 
 
-def _hash_to_unit(seed: int, index: int) -> float:
-    """splitmix64 of (seed, index), to (0, 1)."""
+def _key(seed: int | None, index: int) -> int:
+    """A 32-bit key for (seed, token index): splitmix64, folded; random when there is no seed."""
+    if seed is None:
+        return random.getrandbits(32) - (1 << 31)
     x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    return ((x >> 11) + 0.5) / (1 << 53)
+    x = (x ^ (x >> 31)) & 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _exponential(keys: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise for each (row key, vocabulary id): lowbias32 of key + id * golden, in int32
+    tensors (wrapping arithmetic; logical shifts by masking)."""
+    x = keys[:, None] + columns.to(torch.int32) * _GOLDEN
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * -2073254261  # 0x846CA68B
+    x = x ^ ((x >> 16) & 0xFFFF)
+    u = (((x >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(u)

@@ -24,7 +24,13 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V goes
     num_decodes: int = 0  # the first B rows of the flat batch are decodes, one token each
-    decode_slots: torch.Tensor | None = None  # (B, Lmax) context slots per decode, padded
+    # read in place (the CPU kernel): the decodes' block tables and the position each attends up to
+    block_size: int = 16
+    decode_tables: torch.Tensor | None = None  # (B, W) block ids
+    decode_rows: torch.Tensor | None = None  # (B,) row of decode_tables per decode: 0..B-1
+    decode_positions: torch.Tensor | None = None  # (B,) last position of each context
+    # gathered (portable): each context's slots, padded, and the mask of the padding
+    decode_slots: torch.Tensor | None = None  # (B, Lmax)
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, Lmax) or None if all have Lmax
     prefills: list[PrefillSpan] = field(default_factory=list)
 
@@ -41,7 +47,11 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, v)
     T, Hq, D = q.shape
     out = q.new_empty(T, Hq, D)
-    if meta.num_decodes:
+    if meta.decode_tables is not None:
+        out[: meta.num_decodes] = torch.ops.minipd.paged_attention(
+            q[: meta.num_decodes], k_cache, v_cache, meta.decode_tables, meta.decode_rows, meta.decode_positions,
+            meta.block_size, D**-0.5)  # fmt: skip
+    elif meta.num_decodes:
         qd = q[: meta.num_decodes]
         kd = gather(k_cache, meta.decode_slots).transpose(1, 2)  # (B, Hkv, L, D)
         vd = gather(v_cache, meta.decode_slots).transpose(1, 2)

@@ -1,0 +1,116 @@
+// Attention read in place from a paged KV cache: each query token attends to positions
+// [0, pos] of its sequence, found through the sequence's block table. Nothing is gathered:
+// each K and V slot (every kv head of one position) is read once per query token.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/Dispatch.h>
+#include <cmath>
+#include <type_traits>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+template <typename scalar_t>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_of_token, const at::Tensor& pos_of_token,
+         int64_t block_size, double scale, at::Tensor& out) {
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), G = Hq / Hkv, W = block_tables.size(1);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* seq = seq_of_token.data_ptr<int64_t>();
+  const int64_t* pos = pos_of_token.data_ptr<int64_t>();
+  const int64_t row = Hkv * D;  // one cache slot: every kv head of one position
+  const float s = static_cast<float>(scale);
+
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(Hq * D), acc(Hq * D), scores, kf(row);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t L = pos[t] + 1;
+      const int64_t* table = bt + seq[t] * W;
+      for (int64_t i = 0; i < Hq * D; ++i) qf[i] = load(qp, t * Hq * D + i) * s;
+      scores.resize(Hq * L);
+      for (int64_t p = 0; p < L; ++p) {  // each K slot read once, for every query head
+        const scalar_t* k = kp + (table[p / block_size] * block_size + p % block_size) * row;
+        const float* kr;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          kr = k;
+        } else {
+          for (int64_t i = 0; i < row; ++i) kf[i] = load(k, i);
+          kr = kf.data();
+        }
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float* qh = qf.data() + hq * D;
+          const float* kh = kr + (hq / G) * D;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kh[d];
+          scores[hq * L + p] = dot;
+        }
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq) {  // softmax per query head
+        float* sc = scores.data() + hq * L;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < L; ++p) mx = sc[p] > mx ? sc[p] : mx;
+        float sum = 0.f;
+        for (int64_t p = 0; p < L; ++p) {
+          sc[p] = std::exp(sc[p] - mx);
+          sum += sc[p];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t p = 0; p < L; ++p) sc[p] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = 0; p < L; ++p) {  // each V slot read once
+        const scalar_t* v = vp + (table[p / block_size] * block_size + p % block_size) * row;
+        const float* vr;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          vr = v;
+        } else {
+          for (int64_t i = 0; i < row; ++i) kf[i] = load(v, i);
+          vr = kf.data();
+        }
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float w = scores[hq * L + p];
+          const float* vh = vr + (hq / G) * D;
+          float* a = acc.data() + hq * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += w * vh[d];
+        }
+      }
+      for (int64_t i = 0; i < Hq * D; ++i) op[t * Hq * D + i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_of_token,
+                           const at::Tensor& pos_of_token, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q (T, Hq, D), caches (S, Hkv, D)");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  auto qc = q.contiguous();
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto sq = seq_of_token.to(at::kLong).contiguous();
+  auto ps = pos_of_token.to(at::kLong).contiguous();
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {
+    run<scalar_t>(qc, k_cache, v_cache, bt, sq, ps, block_size, scale, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minipd, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of_token, "
+        "Tensor pos_of_token, int block_size, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("paged_attention", &paged_attention); }

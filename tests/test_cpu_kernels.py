@@ -1,0 +1,68 @@
+"""minipd's CPU kernels against the portable PyTorch paths they replace."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minipd.models import cpu_kernels
+from minipd.models.attention import gather
+from minipd.models.linear import Linear, use_cpu_kernels
+from minipd.sampling_params import SamplingParams
+from tests.conftest import make_engine
+from tests.helpers import run_staggered
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels could not be built here")
+
+
+def reference_attention(q, k_cache, v_cache, tables, lens, bs):
+    pos = torch.arange(max(lens))
+    slots = tables[:, pos // bs] * bs + pos % bs
+    k, v = gather(k_cache, slots).transpose(1, 2), gather(v_cache, slots).transpose(1, 2)
+    mask = (pos[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True).squeeze(2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_paged_attention_equals_gathering_each_context(dtype, tol):
+    torch.manual_seed(0)
+    bs, blocks, hkv, hq, d = 16, 600, 3, 9, 64
+    k_cache, v_cache = torch.randn(blocks * bs, hkv, d, dtype=dtype), torch.randn(blocks * bs, hkv, d, dtype=dtype)
+    lens = [1, 17, 300, 1024, 2047, 64]
+    perm, tables, used = torch.randperm(blocks), torch.zeros(len(lens), 128, dtype=torch.long), 0
+    for i, n in enumerate(lens):  # scattered blocks, as after many requests came and went
+        tables[i, : -(-n // bs)] = perm[used : used + -(-n // bs)]
+        used += -(-n // bs)
+    q = torch.randn(len(lens), hq, d, dtype=dtype)
+    got = torch.ops.minipd.paged_attention(q, k_cache, v_cache, tables, torch.arange(len(lens)),
+                                           torch.tensor(lens) - 1, bs, 1 / math.sqrt(d))  # fmt: skip
+    want = reference_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, bs)
+    assert (got.float() - want).abs().max() < tol
+
+
+@pytest.mark.skipif(not cpu_kernels.small_linear_available(), reason="needs AVX-512")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_small_linear_equals_f_linear(rows):
+    torch.manual_seed(rows)
+    for n, k in ((1537, 576), (64, 100), (3, 1536)):  # odd sizes reach the tails
+        x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+        assert torch.allclose(torch.ops.minipd.small_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        assert torch.allclose(torch.ops.minipd.small_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_the_engine_gives_the_same_tokens_with_and_without_the_kernels(tiny_model):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [[5 + i] * (3 + 40 * i) for i in range(5)]
+    fast = make_engine(tiny_model)
+    assert fast.runner.read_in_place
+    got = run_staggered(fast, prompts, params)
+    portable = make_engine(tiny_model)
+    portable.runner.read_in_place = False
+    for m in tiny_model.modules():
+        if isinstance(m, Linear):
+            m.small_rows = False
+    try:
+        assert run_staggered(portable, prompts, params) == got
+    finally:
+        use_cpu_kernels(tiny_model)
