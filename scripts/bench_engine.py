@@ -21,6 +21,7 @@ def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and KV")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per row")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its best")
@@ -44,37 +45,44 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
     batches = [1, 8] if args.quick else [int(b) for b in args.batches.split(",")]
     rounds = 1 if args.quick else args.rounds
 
     def best_of(fn, repeats: int) -> float:
         times = []
         for _ in range(repeats):
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             times.append(time.perf_counter() - t)
         return min(times)
 
     def read_bandwidth() -> float:
         """Bytes per second read by a reduction over 512 MB (a read stream, no writes)."""
-        x = torch.ones(128 * 2**20, dtype=torch.float32)
+        x = torch.ones(128 * 2**20, dtype=torch.float32, device=dev)
         return x.numel() * 4 / best_of(lambda: x.sum(), 5)
 
     def matmul_rate() -> float:
-        a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+        a, b = torch.randn(2048, 576, dtype=dtype, device=dev), torch.randn(576, 1536, dtype=dtype, device=dev)
         return 2 * 2048 * 576 * 1536 / best_of(lambda: a @ b, 5)
 
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model = load_model(args.model, dtype, "cpu")
-    hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).eval()
+    model = load_model(args.model, dtype, args.device)
+    hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).to(dev).eval()
     cfg = model.config
     layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     all_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
     esize = torch.empty((), dtype=dtype).element_size()
     kv_per_token = cfg.kv_bytes_per_token(esize)
     bw, rate = read_bandwidth(), matmul_rate()
-    print(f"model {args.model or 'SmolLM2-135M-Instruct'}  {args.dtype}  threads {args.threads}  "
+    print(f"model {args.model or 'SmolLM2-135M-Instruct'}  {args.dtype}  {args.device}  threads {args.threads}  "
           f"weights {all_params * esize / 1e6:.0f} MB  KV {kv_per_token / 1e3:.1f} kB/token")  # fmt: skip
     print(f"measured here: read bandwidth {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s")
     print(f"{'what':<34}{'minipd':>10}{'HF':>10}{'ratio':>8}{'floor':>10}{'of floor':>10}")
@@ -89,7 +97,8 @@ def main() -> None:
             rb.append(b())
         return max(ra), max(rb)
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_tokens=max(batches) * 2064 + 64,
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                 kv_cache_tokens=max(batches) * 2064 + 64,
                                  max_num_seqs=max(batches), max_num_batched_tokens=4096), model=model)  # fmt: skip
 
     def minipd_prefill(n: int) -> float:
@@ -102,7 +111,7 @@ def main() -> None:
         return n / best_of(run, 2)
 
     def hf_prefill(n: int) -> float:
-        x = torch.arange(100, 100 + n)[None]
+        x = torch.arange(100, 100 + n, device=dev)[None]
         run = lambda: hf(x, logits_to_keep=1, use_cache=True)  # noqa: E731
         run()
         return n / best_of(run, 2)
@@ -117,9 +126,11 @@ def main() -> None:
                                SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True))  # fmt: skip
         while engine.scheduler.waiting or any(s.num_output_tokens == 0 for s in engine.scheduler.running):
             engine.step()
+        sync()
         t = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
+        sync()
         elapsed = time.perf_counter() - t
         for i in range(len(ctx)):
             engine.abort_request(f"d{i}")
@@ -132,14 +143,17 @@ def main() -> None:
         for i, n in enumerate(ctx):  # left padding, as HF batches mixed lengths
             x[i, longest - n :] = torch.tensor([100 + (i + j) % 40000 for j in range(n)])
             mask[i, longest - n :] = 1
+        x, mask = x.to(dev), mask.to(dev)
         cache = DynamicCache()
         out = hf(x, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
         t = time.perf_counter()
         for _ in range(args.steps):
-            mask = torch.cat([mask, torch.ones(len(ctx), 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(ctx), 1, dtype=mask.dtype, device=dev)], dim=1)
             out = hf(nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
         return len(ctx) * args.steps / (time.perf_counter() - t)
 
     with torch.inference_mode():

@@ -50,6 +50,8 @@ class Engine:
         self.config = config
         if config.threads:
             torch.set_num_threads(config.threads)
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))  # this process's card, for every kernel and handle
         self.model = model if model is not None else load_model(config.model, config.torch_dtype, config.device)
         mcfg = self.model.config
         self.blocks = BlockManager(config.num_blocks, config.block_size)

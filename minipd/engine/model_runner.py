@@ -50,8 +50,8 @@ class ModelRunner:
             if wants:
                 logits_rows.append(len(input_ids) - 1)
         meta = self._metadata(seqs, counts, slots, num_decodes=sum(decodes))
-        tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.model(tensor(input_ids), tensor(positions), self.kv_cache, meta, tensor(logits_rows))
+        up = self.upload
+        logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
         tokens = iter(sample(logits, [p for p, _ in wanted], [i for _, i in wanted])) if wanted else iter(())
         result: list[int | None] = [None] * len(order)
@@ -59,14 +59,19 @@ class ModelRunner:
             result[i] = next(tokens) if wants else None
         return result
 
+    def upload(self, values: list[int]) -> torch.Tensor:
+        """A long tensor on the device; on CUDA through pinned memory, without waiting for the copy."""
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=torch.long)
+        return torch.tensor(values, dtype=torch.long, pin_memory=True).to(self.device, non_blocking=True)
+
     @staticmethod
     def _is_decode(batch: ScheduledBatch, i: int) -> bool:
         return batch.num_new_tokens[i] == 1 and batch.seqs[i].num_computed_tokens > 0
 
     def _metadata(self, seqs, counts, slots, num_decodes: int) -> AttentionMetadata:
         """seqs are ordered decodes first: the first num_decodes rows are one-token decodes."""
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-                                 block_size=self.block_size)  # fmt: skip
+        meta = AttentionMetadata(slot_mapping=self.upload(slots), block_size=self.block_size)
         if num_decodes and self.read_in_place:
             decodes = seqs[:num_decodes]
             width = max(len(s.block_table) for s in decodes)
@@ -103,4 +108,5 @@ class ModelRunner:
             bt = s.block_table[:width]
             tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.long)
         pos = torch.arange(length)
-        return (tables[:, pos // bs] * bs + pos % bs).to(self.device)
+        slots = tables[:, pos // bs] * bs + pos % bs
+        return slots if self.device.type == "cpu" else slots.pin_memory().to(self.device, non_blocking=True)
