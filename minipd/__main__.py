@@ -30,7 +30,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import version
 
     parser = argparse.ArgumentParser(prog="python -m minipd", description=__doc__.splitlines()[0])
@@ -48,17 +48,25 @@ def main(argv: list[str] | None = None) -> int:
     from minipd.server.cli import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
-    tools = {"demo": ("minipd.demo.main", "the interference stall, live, in each mode"),
-             "bench": ("minipd.bench.main", "the same traffic through each mode: goodput, link study, planner"),
-             "plan": ("minipd.bench.plan_main", "profile the workers and recommend a P:D split")}  # fmt: skip
-    for name, (_, text) in tools.items():
+    tools = {"demo": "the interference stall, live, in each mode",
+             "bench": "the same traffic through each mode: goodput, link study, planner",
+             "plan": "profile the workers and recommend a P:D split"}  # fmt: skip
+    for name, text in tools.items():
         sub.add_parser(name, help=f"{text} (see its --help)", add_help=False)
+    return parser
+
+
+TOOLS = {"demo": "minipd.demo.main", "bench": "minipd.bench.main", "plan": "minipd.bench.plan_main"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     if argv is None:
         argv = sys.argv[1:]
-    if argv and argv[0] in tools:
+    if argv and argv[0] in TOOLS:
         import importlib
 
-        return importlib.import_module(tools[argv[0]][0]).run(argv[1:])
+        return importlib.import_module(TOOLS[argv[0]]).run(argv[1:])
     args = parser.parse_args(argv)
     from minipd.models.files import ModelNotFound
 

@@ -66,6 +66,7 @@ class Dispatcher:
             return True
         p.reader = reader
         state.events["seat_reserved"] = time.time()
+        r.metrics.seats_reserved.labels(r.metrics.model).inc()
         if not writer.alive:
             r.release_holders(state)
             return False

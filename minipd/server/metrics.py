@@ -48,6 +48,10 @@ class Metrics:
         self.mode_switches = counter("minipd:mode_switches", "Run-time mode switches.")
         self.redos = counter("minipd:request_redos", "Requests redone after the worker holding them died.")
         self.worker_restarts = counter("minipd:worker_restarts", "Workers restarted after they died.", ["worker"])
+        for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.prompt_tokens,
+                       self.generation_tokens, self.kv_bytes, self.kv_seconds, self.seats_reserved,
+                       self.seats_waiting, self.mode_switches, self.redos):  # fmt: skip
+            family.labels(model_name)  # every series exists from the start, at zero
         for w in range(num_workers):
             self.kv_usage.labels(model_name, str(w)).set(0)
             self.worker_restarts.labels(model_name, str(w))

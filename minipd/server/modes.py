@@ -91,6 +91,9 @@ class ModeSwitcher:
                     raise Unavailable(f"the mode switch failed and was undone: {'; '.join(errors)}")
                 r.mode = mode
                 self.num_switches += 1
+                r.metrics.mode.info({k: str(v) for k, v in mode.as_dict().items()})
+                if r.ready:
+                    r.metrics.mode_switches.labels(r.metrics.model).inc()
             finally:
                 r.serving.set()
             r.events.publish({"type": "mode", "phase": "serving", "time": time.time(), "mode": mode.as_dict(),

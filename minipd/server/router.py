@@ -169,6 +169,7 @@ class Router:
         if isinstance(msg, m.Event):
             self.events.publish({"type": "request", "kind": msg.kind, "request_id": msg.key.rpartition(".")[0],
                                  "key": msg.key, "worker": msg.worker_id, "time": msg.time, **msg.data})  # fmt: skip
+            self._count_handoff(msg)
         state = self.by_key.get(msg.key)
         if state is None or state.finished:
             return  # an attempt that was ended or redone: nothing it says matters now
@@ -188,6 +189,15 @@ class Router:
         else:
             log.info("request %s failed on worker %d: %s", state.request_id, msg.worker_id, msg.message)
             self.fail(state, msg.message, reporter=msg.worker_id)
+
+    def _count_handoff(self, msg: m.Event) -> None:
+        outcome = None
+        if msg.kind == "kv_sent" and msg.data.get("error"):
+            outcome = "send_failed"
+        elif msg.kind == "seat_released":
+            outcome = "aborted" if msg.data.get("stage") == "released" else "seat_failed"
+        if outcome is not None:
+            self.metrics.handoffs.labels(self.metrics.model, self.kv_transport, outcome).inc()
 
     def _on_seat_overdue(self, msg: m.SeatOverdue) -> None:
         """A seat outlived its lease. Its reader waits for the writer's word before it gives the

@@ -78,6 +78,14 @@ class KVSender:
         self._lane(peer).put(Outgoing(key, peer.kv_address, end))
         return copied
 
+    def warm(self, peer: wire.Peer) -> None:
+        """Map the peer's cache and connect to it now, so the first handoff costs what the others do."""
+        if peer.kv_address in self.forgotten:
+            return
+        if self.in_place:
+            self.peer_caches.get(peer.cache_name, peer.cache_shape, peer.cache_dtype, peer.cache_handle)
+        self._lane(peer)
+
     def cancel(self, key: str, peer: wire.Peer, reason: str) -> None:
         """Tell the reader nothing will be written into this seat."""
         end = {"key": key, "outcome": wire.CANCELLED, "reason": reason}
@@ -128,18 +136,22 @@ class _Lane:
     def put(self, item: Outgoing | None) -> None:
         self.queue.put(item)
 
+    def _connect(self) -> zmq.Socket:
+        sock = self.sender.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection, else time out
+        sock.connect(self.address)
+        return sock
+
     def _run(self) -> None:
         s = self.sender
-        sock = None
+        sock = self._connect()
         try:
             while (item := self.queue.get()) is not None:
                 error = None
                 try:
                     if sock is None:
-                        sock = s.ctx.socket(zmq.PUSH)
-                        sock.setsockopt(zmq.LINGER, 0)
-                        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection, else time out
-                        sock.connect(self.address)
+                        sock = self._connect()
                     deadline = time.monotonic() + s.timeout
                     if item.begin is not None:
                         self._send(sock, wire.header(wire.BEGIN, item.begin), deadline)

@@ -162,6 +162,10 @@ class Worker:
             self.engine.set_policy(msg.policy, msg.chunk_tokens)
             self.pending_mode = (msg, time.monotonic())
             self._try_apply_mode()
+            if msg.role == "prefill":
+                for wid, peer in self.peers.items():
+                    if wid != self.id:
+                        self.sender.warm(peer)
         elif isinstance(msg, m.Peers):
             for w in msg.gone:
                 self._peer_gone(w)
