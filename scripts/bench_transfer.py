@@ -12,13 +12,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from minipd.bench.server_process import ServerProcess
-
 
 def copy_bandwidth(num_bytes: int) -> float:
     """Bytes per second of one plain memory copy (what a handoff at full speed would cost)."""
+    import torch
+
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -29,7 +27,7 @@ def copy_bandwidth(num_bytes: int) -> float:
     return num_bytes / best
 
 
-def handoffs(server: ServerProcess, lengths: list[int], repeats: int) -> dict[int, tuple[int, float]]:
+def handoffs(server, lengths: list[int], repeats: int) -> dict[int, tuple[int, float]]:
     out = {}
     for n in lengths:
         best = None
@@ -46,13 +44,15 @@ def handoffs(server: ServerProcess, lengths: list[int], repeats: int) -> dict[in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048])
-    ap.add_argument("--link-gbps", type=float, nargs="+", default=[1.0, 10.0])
-    ap.add_argument("--link-latency-ms", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048], help="prompt lengths in tokens")
+    ap.add_argument("--link-gbps", type=float, nargs="+", default=[1.0, 10.0], help="emulated tcp link rates")
+    ap.add_argument("--link-latency-ms", type=float, default=1.0, help="emulated one-way latency")
+    ap.add_argument("--repeats", type=int, default=2, help="requests per length; the fastest handoff is kept")
     args = ap.parse_args()
+    from minipd.bench.server_process import ServerProcess
+
     common = ["--mode", "disagg", "--workers", "2", "--threads-per-worker", "1", "--kv-cache-tokens",
               str(max(args.lengths) * 2 + 64), "--log-level", "warning"]  # fmt: skip
     if args.model:

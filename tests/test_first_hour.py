@@ -7,6 +7,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -110,3 +111,16 @@ def test_the_first_handoff_after_a_switch_is_as_fast_as_the_next_ten():
             assert status == 200
             seconds.append(s.get(f"/v1/requests/{body['id']}/timeline")[1]["kv_transfer"]["seconds"])
         assert seconds[0] <= 3 * statistics.median(seconds[1:]), seconds
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (Path(__file__).parent.parent / "scripts").glob("*.py")))
+def test_every_script_explains_itself_at_once(script):
+    path = Path(__file__).parent.parent / "scripts" / script
+    code = (f"import runpy, sys; sys.argv = [{str(path)!r}, '--help']\n"
+            f"try:\n    runpy.run_path({str(path)!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'imported torch before parsing its arguments'")  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    first_line = path.read_text().split('"""')[1].split("\n")[0].strip()
+    assert first_line[:40] in " ".join(out.stdout.split()) and time.monotonic() - started < 5
