@@ -20,6 +20,7 @@ class Dispatcher:
     def __init__(self, router, decode_headroom_tokens: int = 512):
         self.router = router
         self.decode_headroom_tokens = decode_headroom_tokens
+        self.next_turn: dict[str, int] = {}  # role -> worker id whose turn it is among equally loaded ones
 
     async def place(self, state: RequestState) -> None:
         r = self.router
@@ -89,7 +90,10 @@ class Dispatcher:
         while True:
             live = r.pool.with_role(role)
             if live:
-                return min(live, key=lambda w: (r.load(w.worker_id), w.worker_id))
+                turn, n = self.next_turn.get(role, 0), len(r.pool.workers)
+                w = min(live, key=lambda w: (r.load(w.worker_id), (w.worker_id - turn) % n))
+                self.next_turn[role] = w.worker_id + 1
+                return w
             coming = [w for w in r.pool.workers if w.role == role and w.state in ("starting", "restarting")]
             if not coming:
                 causes = "; ".join(w.exit_cause for w in r.pool.workers if w.role == role and w.exit_cause)

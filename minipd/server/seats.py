@@ -38,6 +38,7 @@ class SeatBroker:
         self.in_flight: dict[int, tuple[int, list[Want]]] = {}  # decode worker -> (batch id, wants)
         self.full: dict[int, int] = {}  # decode worker -> blocks it had free when it last refused
         self.batch_ids = itertools.count()
+        self.turn = 0  # which decode worker goes first among equally loaded ones
         self.batches_sent = self.seats_granted = 0
 
     def ask(self, state, key: str, num_tokens: int, headroom: int, writer: int) -> asyncio.Future:
@@ -53,7 +54,11 @@ class SeatBroker:
     def pump(self) -> None:
         """Send a batch to every decode worker that has none in flight and may have room."""
         self._drop_unwanted()
-        for w in sorted(self.pool.with_role("decode"), key=lambda w: (self.load(w.worker_id), w.worker_id)):
+        n = len(self.pool.workers)
+        decoders = sorted(self.pool.with_role("decode"), key=lambda w: (self.load(w.worker_id), (w.worker_id - self.turn) % n))
+        if decoders and self.queue:
+            self.turn = decoders[0].worker_id + 1
+        for w in decoders:
             if not self.queue:
                 return
             if w.worker_id in self.in_flight or w.worker_id in self.full:
