@@ -15,12 +15,15 @@ def add_engine_args(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache size per worker, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests a worker runs at once")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 linears with bfloat16 activations (off: float32, token-exact with HF)")
 
 
 def cmd_generate(args) -> int:
     from minipd import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens)
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+              quantization=args.quantization)  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.raw:
         out = llm.generate(args.prompt, params, use_tqdm=False)[0]

@@ -21,12 +21,15 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
     threads: int | None = None
+    quantization: str | None = None  # "int8": weight-only int8 linears (opt-in)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device cuda was asked for but torch sees no CUDA device")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be None or 'int8', got {self.quantization!r}")
         if self.block_size < 1 or self.kv_cache_tokens < self.block_size:
             raise ValueError("need block_size >= 1 and kv_cache_tokens >= block_size")
 

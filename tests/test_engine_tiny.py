@@ -115,3 +115,18 @@ def test_llm_with_one_bad_prompt_leaves_nothing_behind():
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out) == 1 and len(out[0].token_ids) == 3
+
+
+def test_int8_weights_are_close_and_opt_in(tiny_model):
+    from minipd.models.linear import Linear, quantize_int8
+    from minipd.models.loader import load_model
+
+    model = load_model("tiny-random", torch.float32, "cpu")
+    layer = next(m for m in model.modules() if isinstance(m, Linear))
+    x = torch.randn(3, layer.in_features)
+    want = layer(x)
+    quantize_int8(model)
+    got = layer(x)
+    assert got.dtype == torch.float32 and not torch.equal(got, want)
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert all(m.int8 is None for m in tiny_model.modules() if isinstance(m, Linear))  # float32 stays the default

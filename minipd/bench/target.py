@@ -3,10 +3,9 @@ worker stats it can read), or any other OpenAI-compatible server (one mode, clie
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
+
+from minipd.bench.server_process import http
 
 
 @dataclass(slots=True)
@@ -49,17 +48,4 @@ class Target:
         return got
 
     def _call(self, method: str, path: str, body: dict | None = None):
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=900) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as err:
-            status, raw = err.code, err.read()
-        try:
-            return status, json.loads(raw)
-        except json.JSONDecodeError:
-            return status, raw.decode(errors="replace")
+        return http(method, self.url + path, body, timeout=900, api_key=self.api_key)

@@ -38,13 +38,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None, help="runs per mode (default 3, --quick 2)")
     ap.add_argument("--streams", type=int, default=3, help="replies streaming when the document arrives")
     ap.add_argument("--long-tokens", type=int, default=None, help="document length in tokens (default 1500, quick 1000)")
-    ap.add_argument("--stream-tokens", type=int, default=None, help="tokens per reply (default 200, quick 120)")
+    ap.add_argument("--stream-tokens", type=int, default=None, help="tokens per reply (default 320, quick 220)")
     ap.add_argument("--chunk-tokens", type=int, default=64, help="chunked mode's token budget per step")
     ap.add_argument("--no-live", action="store_true", help="no live view (one line per run)")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 3)
     args.long_tokens = args.long_tokens or (1000 if args.quick else 1500)
-    args.stream_tokens = args.stream_tokens or (120 if args.quick else 200)
+    args.stream_tokens = args.stream_tokens or (220 if args.quick else 320)
     return args
 
 
@@ -69,6 +69,8 @@ def run(argv=None) -> int:
     from minipd.tokenizer import load_tokenizer
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)  # a file or a pipe: room for the table
     server = None
     url = args.url
     if url is None:

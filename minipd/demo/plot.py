@@ -31,7 +31,7 @@ def _panel(ax, title: str, scene: Scene) -> None:
         xs = [t - t0 for t in s.token_times]
         ax.vlines(xs, row - 0.35, row + 0.35, color="#3b6ea8", linewidth=0.8)
         for a, b in stalls(s.token_times):
-            inset = 0.08 * (b - a)
+            inset = min(0.1 * (b - a), 0.015)  # a hair between neighbouring stalls
             ax.plot([a - t0 + inset, b - t0 - inset], [row, row], color="#d62728", linewidth=3, solid_capstyle="butt")
         labels.append(s.name)
         row += 1

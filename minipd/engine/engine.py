@@ -11,6 +11,7 @@ from minipd.engine.handoff import HandoffMeta, KVHandoff, KVSlots
 from minipd.engine.model_runner import ModelRunner
 from minipd.engine.scheduler import Scheduler, SchedulerConfig
 from minipd.engine.sequence import Sequence, SequenceStatus
+from minipd.models.linear import quantize_int8
 from minipd.models.loader import load_model
 from minipd.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class Engine:
         if config.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(config.device))  # this process's card, for every kernel and handle
         self.model = model if model is not None else load_model(config.model, config.torch_dtype, config.device)
+        if config.quantization == "int8":
+            quantize_int8(self.model)
         mcfg = self.model.config
         self.blocks = BlockManager(config.num_blocks, config.block_size)
         max_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)

@@ -1,5 +1,6 @@
 """nn.Linear, except that the few rows of a decode step go through minipd's CPU kernel, which
-streams the weights at close to memory speed (float32, AVX-512; see csrc/small_linear.cpp)."""
+streams the weights at close to memory speed (float32, AVX-512; see csrc/small_linear.cpp), and
+that it can hold its weights as int8 (weight-only quantization, opt-in)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ from minipd.models import cpu_kernels
 
 class Linear(nn.Linear):
     small_rows = False  # set by use_cpu_kernels()
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights (N, K) int8, per-row scales bf16), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8 is not None:
+            y = torch._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if self.small_rows and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS:
             return torch.ops.minipd.small_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -27,3 +32,13 @@ def use_cpu_kernels(model: nn.Module) -> bool:
         if isinstance(m, Linear):
             m.small_rows = on
     return on
+
+
+def quantize_int8(model: nn.Module) -> None:
+    """Weight-only int8, one symmetric scale per output row; activations in bfloat16. Opt-in:
+    float32 stays the default and the one that matches transformers token for token."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            w = m.weight.detach().float()
+            scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+            m.int8 = ((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(torch.bfloat16))
