@@ -42,7 +42,8 @@ def parse_modes(text: str) -> list[tuple[str, dict]]:
             out.append((item, {"mode": "chunked", "chunk_tokens": int(variant or 512), "workers": None}))
         elif name == "disagg":
             p, _, d = (variant or "1p1d").lower().removesuffix("d").partition("p")
-            out.append((item, {"mode": "disagg", "prefill_workers": int(p), "decode_workers": int(d)}))
+            out.append((item, {"mode": "disagg", "prefill_workers": int(p), "decode_workers": int(d),
+                               "kv_link_gbps": None, "kv_link_latency_ms": 0}))  # fmt: skip
         elif name == "server":
             out.append((item, {}))
         else:

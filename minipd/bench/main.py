@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--kv-link-gbps", default=None,
                    help="link study: comma-separated emulated KV link rates (Gb/s) for disagg over tcp")
     g.add_argument("--plan", action="store_true", help="profile the workers, plan P:D, and run the recommended split")
+    g.add_argument("--plan-rate", type=float, default=None, help="the rate the plan is for (default: the highest of --rates)")
     g.add_argument("--out", default="bench-out", help="folder for results.json, report.md and the plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
@@ -106,8 +107,6 @@ def run(argv=None) -> int:
                 _say(link_runs[-1])
         if target.is_minipd and any(b.get("mode") == "disagg" for _, b in modes) and target.num_workers >= 2:
             body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None}
-            if target.kv_transport != "tcp":
-                body.pop("kv_link_gbps")
             notes["admission"] = ex.admission_probe(target, settings, body)
         if args.plan and target.is_minipd:
             notes["plan"] = _plan_and_run(target, args, settings, runs)
@@ -149,16 +148,18 @@ def _plan_and_run(target, args, settings, runs) -> dict:
     print("profiling the workers for the planner…", file=sys.stderr)
     profile = plan.profile(target, quick=args.quick)
     out = {"profile": profile.as_dict(), "plans": {}}
+    rate = args.plan_rate or max(float(r) for r in args.rates.split(","))
     for name in args.workloads.split(","):
-        reqs = ex.workload(name, max(float(r) for r in args.rates.split(",")), settings, target.max_model_len)
-        traffic = plan.Traffic(float(args.rates.split(",")[0]), sum(r.prompt_len for r in reqs) / len(reqs),
+        reqs = ex.workload(name, rate, settings, target.max_model_len)
+        traffic = plan.Traffic(rate, sum(r.prompt_len for r in reqs) / len(reqs),
                                sum(r.output_len for r in reqs) / len(reqs))  # fmt: skip
         here = plan.recommend(profile, traffic, target.num_workers, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
         fleet = plan.recommend(profile, plan.Traffic(traffic.rate * 4, traffic.prompt_tokens, traffic.output_tokens),
                                8, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)  # fmt: skip
         best = here["best"]
         body = ({"mode": "colocated", "workers": None} if best["split"] == "colocated" else
-                {"mode": "disagg", "prefill_workers": best["prefill"], "decode_workers": best["decode"]})  # fmt: skip
+                {"mode": "disagg", "prefill_workers": best["prefill"], "decode_workers": best["decode"],
+                 "kv_link_gbps": None})  # fmt: skip
         checked = ex.run_once(target, name, f"plan: {best['split']}", body, traffic.rate, settings, plan=True)
         runs.append(checked)
         s = checked["summary"]

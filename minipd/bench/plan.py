@@ -131,7 +131,7 @@ def _interference(target: Target, seed: int, decode_step) -> float:
 def _kv_bandwidth(target: Target, seed: int) -> tuple[int, float]:
     if target.num_workers < 2:
         return 0, float("nan")
-    target.set_mode({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1})
+    target.set_mode({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None})
     recs = _load(target, [BenchRequest(i, 1024, 2, 0.2 * i) for i in range(3)], seed + 400)
     kv = [r.server_timeline["kv_transfer"] for r in recs if r.server_timeline]
     per_token = kv[0]["bytes"] // 1024

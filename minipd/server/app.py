@@ -259,7 +259,7 @@ class Api:
             if (value is None and field == "kv_link_latency_ms") or isinstance(value, bool) \
                     or not isinstance(value, (int, float, type(None))):  # fmt: skip
                 raise InvalidRequest(f"'{field}' must be a number", param=field)
-            if field in body and self.kv_transport != "tcp":
+            if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
             fields[field] = value
         await self.router.set_mode(Mode(name, **fields))
