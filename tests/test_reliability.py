@@ -284,3 +284,22 @@ def test_too_little_shared_memory_is_one_line_at_start():
                           "--port", "0"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "/dev/shm" in out.stderr and "--kv-transport tcp" in out.stderr
+
+
+def test_ctrl_c_in_the_terminal_drains_instead_of_killing_the_workers():
+    """Defect: a terminal's Ctrl-C reaches the whole process group; the workers died of it, and
+    the supervisor restarted them and redid every request instead of letting them finish."""
+    with serving(*TINY, "--workers", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
+
+        async def go():
+            task = asyncio.ensure_future(stream_completions(s.url, PROMPTS[:3], 100))
+            await asyncio.sleep(0.5)
+            os.killpg(s.proc.pid, signal.SIGINT)  # what a terminal does
+            return await task
+
+        s.children_seen()
+        got = asyncio.run(go())
+        assert all(g["error"] is None and g["text"] for g in got)
+        assert s.proc.wait(15) == 0
+        log = s.output()
+        assert "died" not in log and "restarting" not in log and "redoing" not in log, log

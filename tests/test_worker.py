@@ -179,3 +179,18 @@ def test_an_abort_the_writer_cannot_place_still_tells_the_reader(harness):
     prefill.run_until(lambda msgs: True)
     decode.run_until(lambda msgs: of(m.Event, msgs))
     assert decode.worker.engine.blocks.num_used == 0
+
+
+def test_a_worker_that_can_run_nothing_does_not_spin(harness):
+    """Defect: with requests waiting and no free block, every loop sent an empty Step and stats."""
+    h = harness()
+    e = h.worker.engine
+    e.blocks.add_seat("hog", e.blocks.num_available)  # every block taken by a seat
+    h.send(m.AddRequest("waits", [5, 6, 7], PARAMS))
+    h.drain()
+    for _ in range(50):
+        h.worker._step()
+    assert h.worker.stuck and not [x for x in h.drain() if isinstance(x, (m.Step, m.WorkerStats))]
+    e.blocks.release_seat("hog")
+    got = h.run_until(lambda msgs: any(x.finished for x in of(m.Tokens, msgs)))
+    assert of(m.Tokens, got)[-1].key == "waits"

@@ -50,7 +50,8 @@ class ServerProcess:
         self.log = open(os.path.join(log_dir, f"server-{self.port}.log"), "w+")
         env = {**os.environ, **(env or {})}
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else env.get("MINIPD_API_KEY")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # a session of its own: a test can signal its whole process group, as a terminal's Ctrl-C does
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             self._wait_ready(ready_timeout)
             self.worker_pids = [w["pid"] for w in self.get("/admin/workers")[1]["workers"]]

@@ -23,6 +23,7 @@ class StepOutput:
     finished: bool = False
     finish_reason: str | None = None
     handoff: bool = False  # prefill role: first token made, KV ready to hand off
+    index: int = 0  # how many output tokens the request had before these
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class StepStats:
     num_preempted: int = 0
     prefill_tokens: int = 0  # prompt (or recomputed) tokens read this step
     num_decodes: int = 0  # sequences that advanced by one token
+    scheduled: int = 0  # sequences the step carried (0: nothing could run)
     prefilling: list[str] = field(default_factory=list)  # requests that read prompt tokens this step
 
 
@@ -116,9 +118,10 @@ class Engine:
         self.scheduler.postprocess(batch, sampled)
         outputs = [
             StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,
-                       handoff=seq.status is SequenceStatus.HANDOFF)
+                       handoff=seq.status is SequenceStatus.HANDOFF, index=seq.num_output_tokens - 1)
             for seq, token in zip(batch.seqs, sampled) if token is not None
         ]  # fmt: skip
+        stats.scheduled = len(batch.seqs)
         stats.duration = time.perf_counter() - started
         return outputs
 

@@ -304,11 +304,14 @@ class Api:
                 except asyncio.TimeoutError:
                     await resp.write(b": keep-alive\n\n")
                     continue
+                if event is None:  # the server is stopping
+                    break
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
+        except ConnectionResetError:
+            pass
         finally:
             log_.unsubscribe(queue)
+        return resp
 
     # ---- the teaching page (open, like /health: the page asks for the API key itself) ----------
     async def page(self, request) -> web.FileResponse:

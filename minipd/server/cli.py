@@ -173,7 +173,7 @@ async def serve(args, configs: list[dict], mode) -> None:
 
     from aiohttp import web
 
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = []
@@ -215,10 +215,14 @@ async def serve(args, configs: list[dict], mode) -> None:
             log.info("minipd: draining %d requests (up to %g s; a second Ctrl-C stops now)", len(router.requests),
                      args.drain_timeout)  # fmt: skip
             drain = loop.create_task(router.drain(args.drain_timeout))
-            await asyncio.wait([drain, loop.create_task(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+            second = loop.create_task(stop.wait())
+            await asyncio.wait([drain, second], return_when=asyncio.FIRST_COMPLETED)
+            drain.cancel()
+            second.cancel()
         router.accepting = False
         for state in list(router.requests.values()):
             router.fail(state, "the server is shutting down")
+        router.events.close()  # open /admin/events streams end, so the HTTP server can stop at once
     finally:
         log.info("minipd: shutting down")
         supervisor.stop()

@@ -68,7 +68,7 @@ class Dispatcher:
         p.reader = reader
         state.events["seat_reserved"] = time.time()
         r.metrics.seats_reserved.labels(r.metrics.model).inc()
-        if not writer.alive:
+        if not writer.alive or not r.pool.workers[reader].alive:  # one of them died while the seat was on its way
             r.release_holders(state)
             return False
         return self._send_request(state, p, seat)

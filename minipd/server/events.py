@@ -23,6 +23,15 @@ class EventLog:
             except asyncio.QueueFull:  # a reader that stopped reading is cut off, not waited for
                 self.subscribers.discard(q)
 
+    def close(self) -> None:
+        """Every subscriber's stream ends (None is the last thing it reads)."""
+        for q in list(self.subscribers):
+            try:
+                q.put_nowait(None)
+            except asyncio.QueueFull:
+                pass
+        self.subscribers.clear()
+
     def subscribe(self) -> asyncio.Queue:
         q: asyncio.Queue = asyncio.Queue(maxsize=SUBSCRIBER_BACKLOG)
         self.subscribers.add(q)

@@ -13,6 +13,20 @@ class Relay:
         self.metrics = metrics
         self.kv_transport = kv_transport
 
+    @staticmethod
+    def in_order(state: RequestState, msg: m.Tokens) -> list[m.Tokens]:
+        """The Tokens messages that can be relayed now, in order: one that arrives before the ones
+        before it waits; one already relayed (an attempt's duplicate) is dropped."""
+        have = len(state.output_token_ids)
+        if msg.index < have:
+            return []
+        state.early[msg.index] = msg
+        ready = []
+        while have in state.early:
+            ready.append(state.early.pop(have))
+            have += len(ready[-1].token_ids)
+        return ready
+
     def tokens(self, state: RequestState, msg: m.Tokens) -> tuple[str | None, str]:
         """Record the tokens and stream their text. Returns (finish reason or None, text still
         to send): a finished request's last text goes out with its ending."""

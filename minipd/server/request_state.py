@@ -31,7 +31,10 @@ class Placement:
 
     @property
     def holders(self) -> set[int]:
-        return {w for w in (self.worker if self.dispatched else None, self.reader) if w is not None}
+        """Workers that hold something of this attempt (a prefill worker no longer does once the KV
+        is in the decode worker: it frees its own blocks when its send is over)."""
+        writer = self.worker if self.dispatched and not self.kv_arrived else None
+        return {w for w in (writer, self.reader) if w is not None}
 
 
 @dataclass(slots=True, eq=False)
@@ -55,6 +58,7 @@ class RequestState:
     decode_worker: int | None = None
     kv_bytes: int = 0
     kv_seconds: float | None = None
+    early: dict = field(default_factory=dict)  # index -> Tokens that arrived before the ones before them
 
     def new_key(self) -> str:
         self.attempt += 1

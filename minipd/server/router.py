@@ -106,8 +106,9 @@ class Router:
         return state.timeline() if state else self.finished.get(request_id)
 
     def load(self, worker_id: int) -> int:
-        return sum(1 for s in self.requests.values()
-                   if s.placement and worker_id in (s.placement.worker, s.placement.reader))  # fmt: skip
+        """Requests placed on the worker (a prefill worker: only those it has not handed off yet)."""
+        return sum(1 for s in self.requests.values() if s.placement
+                   and worker_id in (s.placement.reader, None if s.placement.kv_arrived else s.placement.worker))  # fmt: skip
 
     # ---- placements: who holds what ---------------------------------------------------------
     def assign(self, state: RequestState, placement: Placement) -> Placement:
@@ -177,10 +178,12 @@ class Router:
         if isinstance(msg, m.Tokens):
             if p.reader is not None and msg.worker_id == p.worker:
                 p.first_token_at = time.monotonic()  # the prefill's token: the handoff lease starts
-            reason, text = self.relay.tokens(state, msg)
-            if reason is not None:
-                self._end(state, finish_reason=reason, text=text, num_tokens=len(msg.token_ids))
-                self.release_holders(state, skip=msg.worker_id if msg.finished else None)
+            for tokens in self.relay.in_order(state, msg):
+                reason, text = self.relay.tokens(state, tokens)
+                if reason is not None:
+                    self._end(state, finish_reason=reason, text=text, num_tokens=len(tokens.token_ids))
+                    self.release_holders(state, skip=tokens.worker_id if tokens.finished else None)
+                    break
         elif isinstance(msg, m.Event):
             self.relay.event(state, msg)
             if msg.kind == "transfer_end":
@@ -212,9 +215,10 @@ class Router:
 
     def _on_stats(self, msg: m.WorkerStats) -> None:
         w = self.pool.workers[msg.worker_id]
-        w.stats = msg
         model = self.metrics.model
-        self.metrics.kv_usage.labels(model, str(msg.worker_id)).set(msg.blocks_used / max(1, msg.blocks_total))
+        usage = msg.blocks_used / max(1, msg.blocks_total)  # a malformed message stops here, before it is kept
+        w.stats = msg
+        self.metrics.kv_usage.labels(model, str(msg.worker_id)).set(usage)
         stats = [x.stats for x in self.pool.workers if x.stats and x.alive]
         self.metrics.running.labels(model).set(sum(s.num_running for s in stats))
         waiting = sum(s.num_waiting for s in stats) + self.seats.num_waiting
@@ -271,6 +275,7 @@ class Router:
         if state.finished:
             return
         self.release_holders(state)
+        state.early.clear()  # tokens of the old attempt that were waiting for their turn
         if len(state.redos) >= self.limits.max_redos:
             self.fail(state, f"{cause}; the request was redone {len(state.redos)} times already")
             return

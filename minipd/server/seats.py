@@ -116,6 +116,9 @@ class SeatBroker:
         if entry is not None:
             self.queue.extendleft(reversed(entry[1]))
         self.full.pop(worker_id, None)
+        if not any(w.role == "decode" and w.state != "dead" for w in self.pool.workers):
+            self.cancel_all()  # no decode worker will come back: the dispatcher says so to each request
+            return
         for want in [w for w in self.queue if w.writer == worker_id]:
             self.queue.remove(want)
             if not want.future.done():

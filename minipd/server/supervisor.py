@@ -45,7 +45,7 @@ class Supervisor:
             return
         w.process.join(1)  # the sentinel says it ended; reap it to read its exit code
         code = w.process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit code {code}"
         cause = f"worker {worker_id} (pid {w.pid}) died: {how}"
         log.error("%s", cause)
         self.pool.remove_segments_of(w)
@@ -68,7 +68,13 @@ class Supervisor:
         w.restarts.append(time.monotonic())
         loop = asyncio.get_running_loop()
         self.ready[worker_id] = fut = loop.create_future()
-        self.pool.spawn(worker_id)
+        try:
+            self.pool.spawn(worker_id)
+        except Exception as err:
+            log.error("worker %d could not be started again (%s): leaving it dead", worker_id, err)
+            w.state, w.exit_cause = "dead", f"{w.exit_cause}; restart failed: {err}"
+            self.router.on_worker_lost(worker_id, w.exit_cause)
+            return
         incarnation = w.incarnation
         self._watch(w)
         log.info("restarting worker %d as %s (pid %d)", worker_id, w.role, w.pid)
@@ -116,3 +122,10 @@ class Supervisor:
         for w in self.pool.workers:
             if w.process is not None:
                 loop.remove_reader(w.process.sentinel)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -44,6 +44,7 @@ class SeatTable:
         self.in_place = in_place
         self.handoffs = Handoffs()
         self._incoming: dict[str, _Incoming] = {}
+        self._asked: dict[str, float] = {}  # key -> when its writer was last asked for its word
 
     def __len__(self) -> int:
         return len(self.handoffs)
@@ -106,6 +107,7 @@ class SeatTable:
             self._release(h, Stage.FAILED)
             return Arrival(h.key, False, error=f"KV import failed on the decode worker: {err}")
         self.handoffs.end(h.key, Stage.IMPORTED)
+        self._asked.pop(h.key, None)
         return Arrival(h.key, True, meta, time.time() - body["start"])
 
     def abort(self, key: str, writer_done: bool = False) -> None:
@@ -132,10 +134,18 @@ class SeatTable:
         return keys
 
     def overdue(self, lease: float) -> list[Handoff]:
-        """Seats still waiting for their KV after `lease` seconds (and not aborted yet)."""
-        return [h for h in self.handoffs if not h.aborted and h.age > lease]
+        """Seats that waited `lease` seconds for their KV, or, once aborted, for their writer's last
+        word (asked again every lease: a lost END must not keep the blocks forever)."""
+        now = time.monotonic()
+        out = []
+        for h in self.handoffs:
+            if now - self._asked.get(h.key, h.opened) > lease:
+                self._asked[h.key] = now
+                out.append(h)
+        return out
 
     def _release(self, h: Handoff, stage: Stage) -> None:
+        self._asked.pop(h.key, None)
         self.engine.release_seat(h.key)
         self.handoffs.end(h.key, stage)
         if self.on_release is not None:

@@ -22,10 +22,12 @@ class WorkerSpec:
 
 
 def run_worker(spec: WorkerSpec) -> None:
-    """The worker process's entry point (spawned)."""
+    """The worker process's entry point (spawned). A terminal's Ctrl-C (or systemd's SIGTERM to the
+    whole group) is the main process's to handle: it drains, then tells the workers to stop."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from minipd.workers.worker import Worker
 
-    try:
-        Worker(spec).loop()
-    except KeyboardInterrupt:
-        pass
+    Worker(spec).loop()

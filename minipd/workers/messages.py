@@ -107,6 +107,8 @@ class Tokens:
     time: float
     finished: bool = False
     finish_reason: str | None = None
+    index: int = 0  # output tokens of the request before these (a prefill and a decode worker send on
+    # different sockets, so the main process may read them out of order)
 
 
 @message

@@ -67,6 +67,7 @@ class Worker:
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
         self.running = True
+        self.stuck = False  # the last step could run nothing (no free blocks yet): do not spin
         self.last_stats = self.last_lease_check = 0.0
         self.engine.on_prefill_step = lambda start, tokens, decodes, keys: self.send(
             m.StepStart(self.id, start, tokens, decodes, keys))
@@ -93,8 +94,8 @@ class Worker:
             while self.running:
                 if os.getppid() != self.parent:
                     break  # the main process is gone: do not outlive it
-                busy = self.engine.has_unfinished()
-                waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.pending_mode)
+                busy = self.engine.has_unfinished() and not self.stuck
+                waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.pending_mode or self.stuck)
                 events = dict(self.poller.poll(0 if busy else 5 if waiting_on_io else 100))
                 if self.control in events:
                     self._drain(self.control, self._on_control)
@@ -108,9 +109,9 @@ class Worker:
                 if self.pending_mode:
                     self._guarded(self._try_apply_mode)
                 if self.engine.has_unfinished():
-                    self._step()
+                    self._guarded(self._step)
                 if time.monotonic() - self.last_stats > HEARTBEAT_S:
-                    self.send_stats()
+                    self._guarded(self.send_stats)
         finally:
             self.sender.close()
             self.ctx.destroy(linger=0)
@@ -145,7 +146,8 @@ class Worker:
             key = getattr(msg, "key", None)
             log.exception("worker %d: handling %s failed%s", self.id, type(msg).__name__, f" for {key}" if key else "")
             if key is not None:
-                self._fail_request(key, f"worker {self.id} could not handle the request: {err}")
+                self._fail_request(key, f"worker {self.id} could not handle the request: {err}",
+                                   reader=getattr(msg, "reader", None))  # fmt: skip
 
     def handle(self, msg) -> None:
         if isinstance(msg, m.AddRequest):
@@ -185,7 +187,7 @@ class Worker:
         try:
             params = SamplingParams.from_dict(msg.params)
             self.engine.add_request(msg.key, msg.prompt_token_ids, params, msg.output_token_ids)
-        except (TypeError, ValueError) as err:
+        except Exception as err:
             if reader is not None:
                 self.sender.cancel(msg.key, reader, f"the prefill worker refused the request: {err}")
             self.send(m.RequestError(msg.key, self.id, str(err)))
@@ -221,8 +223,8 @@ class Worker:
             self.sender.cancel(key, self.peers[reader], "the prefill worker does not hold the request")
         self.seats.abort(key, writer_done)
 
-    def _fail_request(self, key: str, message: str) -> None:
-        self._abort(key)
+    def _fail_request(self, key: str, message: str, reader: int | None = None) -> None:
+        self._abort(key, reader=reader)  # a reader still waiting for this request's KV hears it will not come
         self.send(m.RequestError(key, self.id, message))
 
     def _cancel_outgoing(self, h: Handoff, reason: str) -> None:
@@ -237,6 +239,7 @@ class Worker:
             old = self.peers.get(int(k))
             if old is not None and old.cache_name and old.cache_name != new.cache_name:
                 self.sender.peer_caches.drop(old.cache_name)
+            self.sender.forgotten.discard(new.kv_address)  # a new worker may get an old one's port
             self.peers[int(k)] = new
 
     def _peer_gone(self, worker_id: int) -> None:
@@ -291,7 +294,7 @@ class Worker:
 
     def _check_leases(self) -> None:
         for h in self.seats.overdue(self.spec.seat_timeout):
-            self.send(m.SeatOverdue(h.key, self.id, h.writer))
+            self.send(m.SeatOverdue(h.key, self.id, h.writer))  # the router makes sure the writer answers
             self.seats.abort(h.key)
 
     # ---- KV leaving (prefill side) ---------------------------------------------------------------
@@ -347,6 +350,9 @@ class Worker:
             self.send_stats()
             return
         stats = e.last_step
+        self.stuck = stats.scheduled == 0
+        if self.stuck:
+            return  # nothing ran; blocks come back when a handoff or a seat ends
         end = stats.start + stats.duration
         self.send(m.Step(self.id, stats.start, end, stats.prefill_tokens, stats.num_decodes,
                          [o.request_id for o in outputs], stats.prefilling))  # fmt: skip
@@ -358,7 +364,8 @@ class Worker:
             if out.request_id in self.prefill_started:
                 self.prefill_started.discard(out.request_id)
                 self.send(m.Event(out.request_id, self.id, "prefill_end", end))
-            self.send(m.Tokens(out.request_id, self.id, out.new_token_ids, end, out.finished, out.finish_reason))
+            self.send(m.Tokens(out.request_id, self.id, out.new_token_ids, end, out.finished, out.finish_reason,
+                               out.index))  # fmt: skip
             if out.handoff:
                 self._write(out.request_id)
             elif out.finished and (h := self.outgoing.get(out.request_id)) is not None:
@@ -373,6 +380,7 @@ class Worker:
             try:
                 e.blocks.check_integrity()
                 assert e.blocks.num_used == 0, f"{e.blocks.num_used} blocks in use with no request here"
+                assert e.blocks.num_booked == 0, f"{e.blocks.num_booked} blocks booked with no request here"
             except AssertionError as err:
                 integrity = str(err) or "check_integrity failed"
                 log.error("worker %d: KV block integrity: %s", self.id, integrity)
