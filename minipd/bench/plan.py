@@ -53,11 +53,15 @@ class Traffic:
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x."""
+    """Least squares y = a + b x with a >= 0: a cost that grows faster than linearly (attention over a long
+    prompt) would otherwise give a negative fixed cost, which no step has; then the line goes through 0."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     var = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    return my - b * mx, b
+    if my - b * mx >= 0:
+        return my - b * mx, b
+    squares = sum(x * x for x in xs)
+    return 0.0, sum(x * y for x, y in zip(xs, ys)) / squares if squares else 0.0
 
 
 def _steps_since(target: Target, since: float) -> list[dict]:
