@@ -9,6 +9,7 @@ import pytest
 from aiohttp import web
 
 from minipd.bench.main import run
+from minipd.bench.plan import Profile, Traffic, decode_tpot
 from tests.helpers import serving
 
 
@@ -90,3 +91,29 @@ def test_bench_puts_the_modes_side_by_side_on_the_same_requests(tmp_path):
     assert "Admission is not the bottleneck" in report and "slo_attainment_chat.png" in report
     notes = json.loads((tmp_path / "notes.json").read_text())
     assert notes["admission"]["seat_batches"] < notes["admission"]["burst"]
+
+
+@pytest.mark.slow
+def test_goodput_search_link_study_and_plan_end_to_end(tmp_path):
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--kv-transport",
+                 "tcp") as s:  # fmt: skip
+        code = run(["--url", s.url, "--quick", "--num-prompts", "6", "--rates", "4", "--workloads", "summarize",
+                    "--modes", "colocated,disagg:1p1d", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "300",
+                    "--goodput-search", "--search-max-runs", "2", "--kv-link-gbps", "0.5,5", "--plan",
+                    "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    assert code == 0
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    links = sorted(r["params"]["link"] for r in runs if r["params"].get("link"))
+    assert links == [0.5, 5.0]
+    assert any(r["params"]["label"].startswith("plan: ") for r in runs)
+    notes = json.loads((tmp_path / "notes.json").read_text())
+    assert [len(search["probes"]) for search in notes["searches"]] == [2, 2]
+    plan = notes["plan"]["plans"]["summarize"]
+    profile = Profile(**{k: v for k, v in notes["plan"]["profile"].items() if k != "compute_bound_batch"})
+    traffic = plan["here"]["traffic"]
+    one_decoder = decode_tpot(profile, Traffic(4.0, traffic["prompt_tokens"], traffic["output_tokens"]), 1)[1]
+    assert plan["rule_at_link_study_rate"]["decode_batch"] == pytest.approx(one_decoder)
+    assert notes["plan"]["profile"]["prefill_fixed_s"] >= 0
+    report = (tmp_path / "report.md").read_text()
+    assert "nanoPD's rule at this study's 4 req/s" in report and "Plan for `summarize`" in report
+    assert (tmp_path / "link_study_summarize.png").stat().st_size > 0

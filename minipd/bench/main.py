@@ -166,10 +166,17 @@ def _plan_and_run(target, args, settings, runs) -> dict:
         out["plans"][name] = {"here": here, "fleet_of_8_at_4x_rate": fleet, "text": plan.explain(here, profile),
                               "fleet_text": plan.explain(fleet, profile),
                               "rule": plan.nanopd_rule(profile, best["decode_batch"] or 1.0),
+                              "rule_at_link_study_rate": plan.nanopd_rule(profile, _one_decoder_batch(
+                                  plan, profile, traffic, float(args.rates.split(",")[0]))),
                               "run": {"split": best["split"], "slo_attainment": s["slo_attainment"],
                                       "median_ttft_ms": s["median_ttft_ms"], "median_tpot_ms": s["median_tpot_ms"],
                                       "met": (s["slo_attainment"] or 0) >= 0.9}}  # fmt: skip
     return out
+
+
+def _one_decoder_batch(plan, profile, traffic, rate: float) -> float:
+    """The decode batch of 1P1D (the link study's split) at `rate`, from the profile."""
+    return plan.decode_tpot(profile, plan.Traffic(rate, traffic.prompt_tokens, traffic.output_tokens), 1)[1]
 
 
 def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
@@ -194,7 +201,8 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
                     if r["workload"] == name and r["rate"] == link_runs[0]["rate"] and r["mode"] != "disagg"}  # fmt: skip
             best = max(base.values()) if base else 0.0
             cross = ex.crossover(points, best)
-            report.plot_link_study(f"{args.out}/link_study_{name}.png", points, base)
+            report.plot_link_study(f"{args.out}/link_study_{name}.png", points, base,
+                                   f"Goodput against KV link bandwidth ({name}, {link_runs[0]['rate']:g} req/s offered)")
             rows = ", ".join(f"{g:g} Gb/s: {v:.2f}" for g, v in sorted(points))
             verdict = (f"disagg matches the best co-located mode ({best:.2f} req/s) from **{cross:g} Gb/s** up"
                        if cross is not None else f"disagg never reached the best co-located mode ({best:.2f} req/s) "
@@ -202,10 +210,15 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
             out += [f"- `{name}`: goodput {rows}; {verdict}. ![link study](link_study_{name}.png)"]
             plans = notes.get("plan", {}).get("plans", {})
             if name in plans:
-                rule = plans[name]["rule"]
-                out.append(f"  - nanoPD's rule predicts a crossover at {rule['predicted_crossover_gbps']:.3g} Gb/s "
-                           f"(interference {rule['interference_per_token_s'] * 1e3:.3f} ms/token, B* = "
-                           f"{rule['compute_bound_batch']:.1f}, decode batch {rule['decode_batch']:.1f}).")  # fmt: skip
+                for key, where in (("rule_at_link_study_rate", f"at this study's {link_runs[0]['rate']:g} req/s"),
+                                   ("rule", "at the plan's rate")):
+                    if key not in plans[name]:
+                        continue
+                    rule = plans[name][key]
+                    out.append(f"  - nanoPD's rule {where} predicts a crossover at "
+                               f"{rule['predicted_crossover_gbps']:.3g} Gb/s (interference "
+                               f"{rule['interference_per_token_s'] * 1e3:.3f} ms/token, B* = "
+                               f"{rule['compute_bound_batch']:.1f}, decode batch {rule['decode_batch']:.1f}).")  # fmt: skip
         out.append("")
     if "admission" in notes:
         a = notes["admission"]

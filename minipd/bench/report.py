@@ -201,7 +201,7 @@ def plot_link_study(path: str | Path, disagg: list[tuple[float, float]], baselin
     for i, (mode, y) in enumerate(baselines.items()):
         ax.axhline(y, linestyle="--", color=f"C{i + 1}", label=mode)
     ax.set_xscale("log")
-    ax.set(xlabel="emulated KV link (Gb/s)", ylabel="goodput (req/s per worker)", title=title)
+    ax.set(xlabel="emulated KV link (Gb/s)", ylabel="goodput (req/s within both SLOs)", title=title)
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3, which="both")
     ax.legend()
