@@ -69,3 +69,17 @@ def test_demo_quick_on_the_default_model(tmp_path):
     assert len(demo["modes"]["disagg"]["runs"]) == 2 and disagg["kv_bytes"]["median"] > 0
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert "client" in demo["note"]
+
+
+def test_the_table_title_says_what_the_brackets_hold():
+    from argparse import Namespace
+
+    from rich.console import Console
+
+    from minipd.demo.main import _print_table
+
+    console = Console(record=True, width=200)
+    s = {"median": 0.1, "min": 0.09, "max": 0.11}
+    _print_table(console, {"colocated": {"stall_s": s}}, Namespace(streams=3, long_tokens=1500, repeats=3))
+    text = console.export_text()
+    assert "[min-max]" in text and "100 ms [90-110]" in text

@@ -153,7 +153,7 @@ def _print_table(console, summary: dict, args) -> None:
     from rich.table import Table
 
     table = Table(title=f"{args.streams} replies streaming, then a {args.long_tokens}-token document arrives "
-                        f"(median of {args.repeats} runs, [min-max]; client-side times)")  # fmt: skip
+                        f"(median of {args.repeats} runs, \\[min-max]; client-side times)")  # fmt: skip
     for col in ("mode", "stall", "median gap", "stall / gap", "stall / prefill", "document TTFT", "KV moved",
                 "KV transfer"):  # fmt: skip
         table.add_column(col, justify="right")
