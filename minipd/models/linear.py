@@ -1,6 +1,8 @@
 """nn.Linear, except that the few rows of a decode step go through minipd's CPU kernel, which
-streams the weights at close to memory speed (float32, AVX-512; see csrc/small_linear.cpp), and
-that it can hold its weights as int8 (weight-only quantization, opt-in)."""
+streams the weights at close to memory speed (float32, AVX-512; see csrc/small_linear.cpp), the
+many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32 GEMM takes a path without
+AVX-512: 100 GFLOP/s against oneDNN's 240 on one core here), and that it can hold its weights as
+int8 (weight-only quantization, opt-in)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from minipd.models import cpu_kernels
 
 class Linear(nn.Linear):
     small_rows = False  # set by use_cpu_kernels()
+    onednn_rows = False  # set by use_cpu_kernels()
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights (N, K) int8, per-row scales bf16), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -21,6 +24,8 @@ class Linear(nn.Linear):
             return y if self.bias is None else y + self.bias
         if self.small_rows and x.dim() == 2 and 0 < x.shape[0] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS:
             return torch.ops.minipd.small_linear(x, self.weight, self.bias)
+        if self.onednn_rows and x.dim() == 2:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -28,9 +33,11 @@ def use_cpu_kernels(model: nn.Module) -> bool:
     """Turn the small-row kernel on for every Linear of a float32 CPU model, when it is built."""
     p = next(model.parameters())
     on = p.device.type == "cpu" and p.dtype == torch.float32 and cpu_kernels.small_linear_available()
+    onednn = p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
     for m in model.modules():
         if isinstance(m, Linear):
             m.small_rows = on
+            m.onednn_rows = onednn
     return on
 
 
