@@ -36,17 +36,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t t = begin; t < end; ++t) {
       const int64_t L = pos[t] + 1;
       const int64_t* table = bt + seq[t] * W;
+      auto as_float = [&](const scalar_t* slot) -> const float* {  // one K or V row, as float
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          return slot;
+        } else {
+          for (int64_t i = 0; i < row; ++i) kf[i] = load(slot, i);
+          return kf.data();
+        }
+      };
       for (int64_t i = 0; i < Hq * D; ++i) qf[i] = load(qp, t * Hq * D + i) * s;
       scores.resize(Hq * L);
       for (int64_t p = 0; p < L; ++p) {  // each K slot read once, for every query head
         const scalar_t* k = kp + (table[p / block_size] * block_size + p % block_size) * row;
-        const float* kr;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          kr = k;
-        } else {
-          for (int64_t i = 0; i < row; ++i) kf[i] = load(k, i);
-          kr = kf.data();
-        }
+        const float* kr = as_float(k);
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const float* qh = qf.data() + hq * D;
           const float* kh = kr + (hq / G) * D;
@@ -70,13 +72,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t p = 0; p < L; ++p) {  // each V slot read once
         const scalar_t* v = vp + (table[p / block_size] * block_size + p % block_size) * row;
-        const float* vr;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          vr = v;
-        } else {
-          for (int64_t i = 0; i < row; ++i) kf[i] = load(v, i);
-          vr = kf.data();
-        }
+        const float* vr = as_float(v);
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const float w = scores[hq * L + p];
           const float* vh = vr + (hq / G) * D;
