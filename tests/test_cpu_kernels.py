@@ -42,13 +42,19 @@ def test_paged_attention_equals_gathering_each_context(dtype, tol):
 
 
 @pytest.mark.skipif(not cpu_kernels.small_linear_available(), reason="needs AVX-512")
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-def test_small_linear_equals_f_linear(rows):
+@pytest.mark.parametrize("threads", [1, 2])  # one thread calls the rows directly, more split them
+@pytest.mark.parametrize("rows", range(1, 9))  # each row count has its own register shape
+def test_small_linear_equals_f_linear(rows, threads):
     torch.manual_seed(rows)
-    for n, k in ((1537, 576), (64, 100), (3, 1536)):  # odd sizes reach the tails
-        x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
-        assert torch.allclose(torch.ops.minipd.small_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
-        assert torch.allclose(torch.ops.minipd.small_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((1537, 576), (64, 100), (3, 1536)):  # odd sizes reach the tails
+            x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+            assert torch.allclose(torch.ops.minipd.small_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+            assert torch.allclose(torch.ops.minipd.small_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_engine_gives_the_same_tokens_with_and_without_the_kernels(tiny_model):

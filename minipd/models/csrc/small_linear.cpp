@@ -14,12 +14,14 @@ namespace {
 constexpr int64_t MAX_ROWS = 8;
 
 #ifdef __AVX512F__
-template <int M>
+// M rows of x against R rows of w at a time, U independent sums per pair (FMAs in flight), and a
+// software prefetch AHEAD ahead in each row of w: bytes if positive, whole rows if negative.
+// The shape per M is the best of a sweep over R, U and AHEAD on the default model's weights in
+// step order (one thread, this 2-core AMD EPYC); scripts/bench_small_linear.py measures the result.
+template <int M, int R, int U, int AHEAD>
 void rows_of(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, int64_t n0,
              int64_t n1) {
-  constexpr int R = 4;  // rows of w in flight
-  constexpr int AHEAD = 8;  // rows of w prefetched ahead
-  constexpr int U = M <= 2 ? 2 : 1;  // independent sums per (row of x, row of w): enough FMAs in flight
+  const int64_t ahead = AHEAD > 0 ? AHEAD / 4 : -AHEAD * K;  // in floats
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     __m512 acc[M][R][U];
@@ -31,8 +33,9 @@ void rows_of(const float* x, const float* w, const float* bias, float* y, int64_
       for (int u = 0; u < U; ++u) {
         __m512 wv[R];
         for (int r = 0; r < R; ++r) {
-          _mm_prefetch(reinterpret_cast<const char*>(w + (n + r + AHEAD) * K + k + 16 * u), _MM_HINT_T0);
-          wv[r] = _mm512_loadu_ps(w + (n + r) * K + k + 16 * u);
+          const float* p = w + (n + r) * K + k + 16 * u;
+          _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T0);
+          wv[r] = _mm512_loadu_ps(p);
         }
         for (int m = 0; m < M; ++m) {
           const __m512 xv = _mm512_loadu_ps(x + m * K + k + 16 * u);
@@ -57,9 +60,12 @@ void rows_of(const float* x, const float* w, const float* bias, float* y, int64_
     }
 }
 
-template <int M>
+template <int M, int R, int U, int AHEAD>
 void run(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) { rows_of<M>(x, w, b, y, N, K, n0, n1); });
+  // called directly on one thread: through parallel_for's lambda the compiler keeps less in
+  // registers (measured 1.8x slower at 8 rows)
+  if (at::get_num_threads() == 1) return rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, 0, N);
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) { rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1); });
 }
 #endif
 
@@ -82,14 +88,14 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (M) {
-    case 1: run<1>(xp, wp, bp, yp, N, K); break;
-    case 2: run<2>(xp, wp, bp, yp, N, K); break;
-    case 3: run<3>(xp, wp, bp, yp, N, K); break;
-    case 4: run<4>(xp, wp, bp, yp, N, K); break;
-    case 5: run<5>(xp, wp, bp, yp, N, K); break;
-    case 6: run<6>(xp, wp, bp, yp, N, K); break;
-    case 7: run<7>(xp, wp, bp, yp, N, K); break;
-    default: run<8>(xp, wp, bp, yp, N, K); break;
+    case 1: run<1, 1, 4, 4096>(xp, wp, bp, yp, N, K); break;
+    case 2: run<2, 1, 4, 4096>(xp, wp, bp, yp, N, K); break;
+    case 3: run<3, 2, 2, 4096>(xp, wp, bp, yp, N, K); break;
+    case 4: run<4, 1, 2, -4>(xp, wp, bp, yp, N, K); break;
+    case 5: run<5, 1, 1, -4>(xp, wp, bp, yp, N, K); break;
+    case 6: run<6, 1, 1, -4>(xp, wp, bp, yp, N, K); break;
+    case 7: run<7, 1, 2, -4>(xp, wp, bp, yp, N, K); break;
+    default: run<8, 2, 1, -4>(xp, wp, bp, yp, N, K); break;
   }
 #else
   TORCH_CHECK(false, "small_linear needs AVX-512 (check small_linear_supported first)");
