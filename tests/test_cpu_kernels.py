@@ -57,14 +57,58 @@ def test_small_linear_equals_f_linear(rows, threads):
         torch.set_num_threads(before)
 
 
+needs_avx512 = pytest.mark.skipif(not cpu_kernels.small_linear_available(), reason="needs AVX-512")
+
+
+@needs_avx512
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    "new,ctx,hq,hkv,d",
+    [(1, 1, 9, 3, 64), (5, 5, 9, 3, 64), (7, 40, 9, 3, 64), (300, 300, 9, 3, 64), (129, 700, 9, 3, 64),
+     (17, 17, 4, 4, 16), (13, 150, 8, 1, 128), (40, 90, 6, 2, 48), (20, 20, 2, 1, 192)],
+)  # fmt: skip
+def test_paged_prefill_equals_causal_attention_over_the_gathered_context(new, ctx, hq, hkv, d, threads):
+    """`new` tokens at the end of a ctx-token context (a whole prompt, or a chunk after a cached prefix)."""
+    torch.manual_seed(new * ctx)
+    bs = 16
+    blocks = -(-ctx // bs) + 5
+    table = torch.randperm(blocks)[: -(-ctx // bs)]
+    k_cache, v_cache = torch.randn(blocks * bs, hkv, d), torch.randn(blocks * bs, hkv, d)
+    q = torch.randn(new, hq, d)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.minipd.paged_prefill(q, k_cache, v_cache, table, ctx, bs, d**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    pos = torch.arange(ctx)
+    slots = table[pos // bs] * bs + pos % bs
+    k, v = gather(k_cache, slots).transpose(0, 1)[None], gather(v_cache, slots).transpose(0, 1)[None]
+    mask = pos[None, :] <= torch.arange(ctx - new, ctx)[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, enable_gqa=True)
+    assert (got - want[0].transpose(0, 1)).abs().max() < 1e-5
+
+
+@needs_avx512
+def test_paged_prefill_refuses_what_it_cannot_do():
+    q, cache, table = torch.randn(4, 2, 64), torch.randn(64, 1, 64), torch.arange(4)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        torch.ops.minipd.paged_prefill(q, cache, cache, table[:1], 40, 16, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        torch.ops.minipd.paged_prefill(torch.randn(4, 2, 80), torch.randn(64, 1, 80), torch.randn(64, 1, 80), table, 4, 16, 0.1)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.minipd.paged_prefill(q.bfloat16(), cache, cache, table, 4, 16, 0.125)
+
+
 def test_the_engine_gives_the_same_tokens_with_and_without_the_kernels(tiny_model):
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     prompts = [[5 + i] * (3 + 40 * i) for i in range(5)]
     fast = make_engine(tiny_model)
     assert fast.runner.read_in_place
+    assert fast.runner.prefill_in_place == cpu_kernels.small_linear_available()
     got = run_staggered(fast, prompts, params)
     portable = make_engine(tiny_model)
-    portable.runner.read_in_place = False
+    portable.runner.read_in_place = portable.runner.prefill_in_place = False
     for m in tiny_model.modules():
         if isinstance(m, Linear):
             m.small_rows = False

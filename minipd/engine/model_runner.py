@@ -29,6 +29,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.kv_cache.zero_()  # touch every page now, not on the first handoff into it
         self.read_in_place = self.device.type == "cpu" and cpu_kernels.available()
+        self.prefill_in_place = self.device.type == "cpu" and cpu_kernels.paged_prefill_available(
+            self.dtype, cfg.head_dim)  # fmt: skip
         use_cpu_kernels(model)
 
     @torch.inference_mode()
@@ -91,7 +93,9 @@ class ModelRunner:
         for seq, n in zip(seqs[num_decodes:], counts[num_decodes:]):
             ctx = seq.num_computed_tokens + n
             span = PrefillSpan(start=row, q_len=n, ctx_len=ctx)
-            if ctx > n:
+            if self.prefill_in_place:
+                span.block_table = torch.tensor(seq.block_table[: -(-ctx // self.block_size)], dtype=torch.long)
+            elif ctx > n:
                 span.context_slots = self._context_slots([seq], ctx)[0]
                 q_pos = torch.arange(ctx - n, ctx, device=self.device)[:, None]
                 span.mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos

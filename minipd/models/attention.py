@@ -14,7 +14,9 @@ class PrefillSpan:
     start: int
     q_len: int
     ctx_len: int
-    context_slots: torch.Tensor | None = None  # (ctx_len,) when there is a cached prefix
+    block_table: torch.Tensor | None = None  # read in place (the CPU kernel): the sequence's blocks
+    # gathered (portable), when there is a cached prefix
+    context_slots: torch.Tensor | None = None  # (ctx_len,)
     mask: torch.Tensor | None = None  # (q_len, ctx_len) bool, causal with the prefix offset
 
 
@@ -61,6 +63,10 @@ def paged_attention(
         out[: meta.num_decodes] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.q_len)
+        if span.block_table is not None:
+            out[rows] = torch.ops.minipd.paged_prefill(
+                q[rows], k_cache, v_cache, span.block_table, span.ctx_len, meta.block_size, D**-0.5)  # fmt: skip
+            continue
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # (1, Hq, q, D)
         if span.context_slots is None:
             kp, vp = k[rows], v[rows]

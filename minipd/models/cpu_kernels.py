@@ -1,5 +1,5 @@
-"""minipd's CPU kernels (csrc/): attention read in place from the paged cache, and a linear layer
-for the few rows of a decode step. Built once, on first use, with the machine's compiler through
+"""minipd's CPU kernels (csrc/): attention read in place from the paged cache (decode, and a
+flash-attention-style prefill for float32), and a linear layer for the few rows of a decode step. Built once, on first use, with the machine's compiler through
 torch.utils.cpp_extension (cached under ~/.cache/torch_extensions), and registered with
 torch.library as torch.ops.minipd.*. If they cannot be built, the portable PyTorch paths are used
 (slower, same results up to float rounding)."""
@@ -27,6 +27,14 @@ def small_linear_available() -> bool:
     if "small_linear" not in _state:
         _state["small_linear"] = available() and torch.ops.minipd.small_linear_supported()
     return _state["small_linear"]
+
+
+PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
+
+
+def paged_prefill_available(dtype: torch.dtype, head_dim: int) -> bool:
+    """The prefill kernel: float32, AVX-512 (the same build test as the small-row kernel)."""
+    return dtype == torch.float32 and head_dim in PREFILL_HEAD_DIMS and small_linear_available()
 
 
 def _build() -> bool:

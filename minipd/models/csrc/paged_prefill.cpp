@@ -1,0 +1,219 @@
+// Prefill attention read in place from the paged KV cache, flash-attention style (online softmax,
+// nothing of size T x T is ever stored), float32 with AVX-512. One sequence's T new tokens, at
+// positions [ctx - T, ctx), attend causally to its keys [0, position] found through its block
+// table; their own K and V are already in the cache. The same call serves a whole prompt and one
+// chunk of it (a cached prefix is read where it lies, not gathered).
+//
+// Per kv head: its keys are copied once per call into K^T (head_dim x keys, keys along the vector
+// lanes) and V (keys x head_dim), then tiles of ROWS query rows (query position x query head of
+// the group, which share the kv head) sweep the keys KEYS at a time: scores by broadcasting each
+// query element against 32 keys' worth of K^T, then p * V into the tile's output.
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef __AVX512F__
+constexpr int ROWS = 12;  // query rows per tile: 24 score accumulators + 2 K^T vectors + 1 broadcast
+constexpr int KEYS = 128;  // keys per step of the online softmax (its reductions and rescales amortized)
+constexpr int VEC = KEYS / 16;
+constexpr int MAX_D = 256;
+constexpr float NONE = -1e30f;  // the running max before any key; finite, as -ffast-math assumes
+
+// exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, degree-6 Taylor (about 1 ulp)
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below this e^x is 0 in float32 anyway
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[r][c:c+32] = q[r] . keys c..c+31 of kt, K^T of one head with row stride ld
+template <int D>
+inline void scores(const float* q, const float* kt, int64_t ld, float s[ROWS][KEYS], int c) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 k0 = _mm512_loadu_ps(kt + d * ld), k1 = _mm512_loadu_ps(kt + d * ld + 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 qv = _mm512_set1_ps(q[r * MAX_D + d]);
+      acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(s[r] + c, acc[r][0]);
+    _mm512_storeu_ps(s[r] + c + 16, acc[r][1]);
+  }
+}
+
+// o[r] = o[r] * corr[r] + sum_j<n p[r][j] v[j], four rows and 64 columns of o at a time
+template <int D>
+inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], const float* v, int n) {
+  for (int r0 = 0; r0 < ROWS; r0 += 4) {
+    for (int c = 0; c < D; c += 64) {
+      constexpr int W = D >= 64 ? 4 : D / 16;  // D % 64 == 0 or D < 64: whole chunks
+      const int w = W;
+      __m512 acc[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int x = 0; x < w; ++x)
+          acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * MAX_D + c + 16 * x), _mm512_set1_ps(corr[r0 + r]));
+      for (int j = 0; j < n; ++j) {
+        __m512 vv[4];
+        for (int x = 0; x < w; ++x) vv[x] = _mm512_loadu_ps(v + j * D + c + 16 * x);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 pv = _mm512_set1_ps(p[r0 + r][j]);
+          for (int x = 0; x < w; ++x) acc[r][x] = _mm512_fmadd_ps(pv, vv[x], acc[r][x]);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int x = 0; x < w; ++x) _mm512_storeu_ps(o + (r0 + r) * MAX_D + c + 16 * x, acc[r][x]);
+    }
+  }
+}
+
+template <int D>
+void run(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t block_size,
+         int64_t T, int64_t ctx, int64_t Hq, int64_t Hkv, float scale, float* out) {
+  const int64_t G = Hq / Hkv, first = ctx - T;  // position of the first query
+  const int64_t L = (ctx + 31) / 32 * 32;  // keys, padded with zeros to whole score blocks
+  auto kt_all = at::zeros({Hkv, D, L}, at::kFloat), v_all = at::zeros({Hkv, L, D}, at::kFloat);
+  float* ktp = kt_all.data_ptr<float>();
+  float* vtp = v_all.data_ptr<float>();
+  at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t j = 0; j < ctx; ++j) {
+        const int64_t slot = table[j / block_size] * block_size + j % block_size;
+        const float* k = k_cache + (slot * Hkv + h) * D;
+        const float* v = v_cache + (slot * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) ktp[(h * D + d) * L + j] = k[d];
+        std::copy(v, v + D, vtp + (h * L + j) * D);
+      }
+  });
+  const int64_t rows = T * G, tiles = (rows + ROWS - 1) / ROWS;  // rows of one kv head: (position, g)
+  at::parallel_for(0, Hkv * tiles, 1, [&](int64_t w0, int64_t w1) {
+    alignas(64) float qt[ROWS * MAX_D], o[ROWS * MAX_D], s[ROWS][KEYS], p[ROWS][KEYS];
+    float m[ROWS], l[ROWS], corr[ROWS];
+    int64_t pos[ROWS];
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t h = w / tiles, row0 = (w % tiles) * ROWS;
+      const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
+      for (int r = 0; r < ROWS; ++r) {  // scaled queries; rows past the end are zeros, never stored
+        const int64_t i = (row0 + std::min(r, n - 1)) / G, g = (row0 + std::min(r, n - 1)) % G;
+        const float* src = q + (i * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? src[d] * scale : 0.f;
+        std::fill(o + r * MAX_D, o + r * MAX_D + D, 0.f);
+        pos[r] = first + i;
+        m[r] = NONE;
+        l[r] = 0.f;
+      }
+      const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
+      const float* kt = ktp + h * D * L;
+      const float* vh = vtp + h * L * D;
+      for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
+        const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
+        for (int c = 0; c < n; c += 32) scores<D>(qt, kt + k0 + c, L, s, c);
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t seen = std::clamp<int64_t>(pos[r] + 1 - k0, 0, KEYS);  // keys this row may see
+          if (seen == 0) {
+            corr[r] = 1.f;
+            std::fill(p[r], p[r] + KEYS, 0.f);
+            continue;
+          }
+          __mmask16 mask[VEC];
+          __m512 sv[VEC];
+          __m512 mv = _mm512_set1_ps(m[r]);
+          for (int x = 0; x < VEC; ++x) {
+            const int64_t lanes = std::clamp<int64_t>(seen - 16 * x, 0, 16);
+            mask[x] = static_cast<__mmask16>((1u << lanes) - 1);
+            sv[x] = _mm512_mask_loadu_ps(_mm512_set1_ps(NONE), mask[x], s[r] + 16 * x);
+            mv = _mm512_max_ps(mv, sv[x]);
+          }
+          const float mx = _mm512_reduce_max_ps(mv);
+          mv = _mm512_set1_ps(mx);
+          __m512 sum = _mm512_setzero_ps();
+          for (int x = 0; x < VEC; ++x) {
+            const __m512 px = _mm512_maskz_mov_ps(mask[x], exp_nonpositive(_mm512_sub_ps(sv[x], mv)));
+            _mm512_storeu_ps(p[r] + 16 * x, px);
+            sum = _mm512_add_ps(sum, px);
+          }
+          corr[r] = std::exp(m[r] - mx);  // 0 on the first keys (m = NONE)
+          l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+          m[r] = mx;
+        }
+        accumulate<D>(o, corr, p, vh + k0 * D, n);
+      }
+      for (int r = 0; r < n; ++r) {
+        const int64_t i = (row0 + r) / G, g = (row0 + r) % G;
+        float* dst = out + (i * Hq + h * G + g) * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[r * MAX_D + d] * inv;
+      }
+    }
+  });
+}
+#endif
+
+bool supported_head_dim(int64_t D) {
+  return D == 16 || D == 32 || D == 48 || D == 64 || D == 128 || D == 192 || D == 256;
+}
+
+at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_table, int64_t ctx_len, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q (T, Hq, D), caches (S, Hkv, D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(2) == D, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(supported_head_dim(D), "head_dim must be 16, 32, 48, 64, 128, 192 or 256");
+  TORCH_CHECK(T >= 1 && ctx_len >= T, "ctx_len counts the T new tokens and the prefix before them");
+  auto bt = block_table.to(at::kLong).contiguous();
+  TORCH_CHECK(bt.dim() == 1 && bt.size(0) * block_size >= ctx_len, "block table too short for ctx_len");
+  auto qc = q.contiguous();
+  auto out = at::empty_like(qc);
+#ifdef __AVX512F__
+  auto go = [&](auto d) {
+    run<decltype(d)::value>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                            bt.data_ptr<int64_t>(), block_size, T, ctx_len, Hq, Hkv, static_cast<float>(scale),
+                            out.data_ptr<float>());
+  };
+  switch (D) {
+    case 16: go(std::integral_constant<int, 16>()); break;
+    case 32: go(std::integral_constant<int, 32>()); break;
+    case 48: go(std::integral_constant<int, 48>()); break;
+    case 64: go(std::integral_constant<int, 64>()); break;
+    case 128: go(std::integral_constant<int, 128>()); break;
+    case 192: go(std::integral_constant<int, 192>()); break;
+    case 256: go(std::integral_constant<int, 256>()); break;
+  }
+#else
+  TORCH_CHECK(false, "paged_prefill needs AVX-512");
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minipd, m) {
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int ctx_len, int block_size, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
