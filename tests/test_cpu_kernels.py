@@ -109,9 +109,8 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_kernels(tiny_mode
     got = run_staggered(fast, prompts, params)
     portable = make_engine(tiny_model)
     portable.runner.read_in_place = portable.runner.prefill_in_place = False
-    for m in tiny_model.modules():
-        if isinstance(m, Linear):
-            m.small_rows = False
+    use_cpu_kernels(tiny_model, on=False)
+    assert not any(getattr(m, "fused", False) or getattr(m, "small_rows", False) for m in tiny_model.modules())
     try:
         assert run_staggered(portable, prompts, params) == got
     finally:

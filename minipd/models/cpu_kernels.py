@@ -6,6 +6,7 @@ torch.library as torch.ops.minipd.*. If they cannot be built, the portable PyTor
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -43,8 +44,10 @@ def _build() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        sources = sorted(str(p) for p in (Path(__file__).parent / "csrc").glob("*.cpp"))
-        load(name="minipd_cpu_kernels", sources=sources, is_python_module=False, verbose=False,
+        files = sorted((Path(__file__).parent / "csrc").iterdir())
+        sources = [str(p) for p in files if p.suffix == ".cpp"]
+        digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()[:10]  # headers too
+        load(name=f"minipd_cpu_kernels_{digest}", sources=sources, is_python_module=False, verbose=False,
              extra_cflags=["-O3", "-march=native", "-ffast-math", "-funroll-loops"])  # fmt: skip
         return hasattr(torch.ops.minipd, "paged_attention")
     except Exception as err:  # no compiler, no headers: the portable path still works

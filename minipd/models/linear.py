@@ -29,16 +29,22 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def use_cpu_kernels(model: nn.Module) -> bool:
-    """Turn the small-row kernel on for every Linear of a float32 CPU model, when it is built."""
+def use_cpu_kernels(model: nn.Module, on: bool = True) -> bool:
+    """Turn minipd's CPU kernels on (or off) for a float32 CPU model, where they are built: the
+    small-row kernel and oneDNN in every Linear, and the fused element-wise steps (RMSNorm,
+    SiLU * up, rotary embedding) in every module that has a `fused` switch. Returns whether the
+    small-row kernel is on."""
     p = next(model.parameters())
-    on = p.device.type == "cpu" and p.dtype == torch.float32 and cpu_kernels.small_linear_available()
-    onednn = p.device.type == "cpu" and p.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    cpu32 = on and p.device.type == "cpu" and p.dtype == torch.float32
+    small = cpu32 and cpu_kernels.small_linear_available()
+    fused = cpu32 and cpu_kernels.available()
     for m in model.modules():
         if isinstance(m, Linear):
-            m.small_rows = on
-            m.onednn_rows = onednn
-    return on
+            m.small_rows = small
+            m.onednn_rows = cpu32 and torch.backends.mkldnn.is_available()
+        if hasattr(type(m), "fused"):
+            m.fused = fused
+    return small
 
 
 def quantize_int8(model: nn.Module) -> None:

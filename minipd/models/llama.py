@@ -11,12 +11,16 @@ from minipd.models.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
+    fused = False  # one pass in minipd's CPU kernel (set by use_cpu_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and x.dim() == 2:
+            return torch.ops.minipd.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -24,34 +28,43 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    fused = False  # rotary embedding in place, in minipd's CPU kernel (set by use_cpu_kernels)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        # separate projections, as in the checkpoint: fusing them measured no faster here (MKL, CPU)
-        self.q_proj = Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+        self.sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)  # q, k, v stacked
         self.o_proj = Linear(q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, rope, k_cache, v_cache, meta: AttentionMetadata):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, k, *rope)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            torch.ops.minipd.rope_(q, k, *rope)
+        else:
+            q, k = apply_rope(q, k, *rope)
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta))
 
 
 class MLP(nn.Module):
+    fused = False  # SiLU(gate) * up in one pass, in minipd's CPU kernel (set by use_cpu_kernels)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate, up stacked
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.size, dim=-1)
+        if self.fused:
+            return self.down_proj(torch.ops.minipd.silu_and_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -99,8 +112,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(self.norm(x[logits_rows]))
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face Llama-layout tensors (module names match, less the `model.` prefix)."""
-        state = {k.removeprefix("model."): v for k, v in weights.items()}
+        """Load Hugging Face Llama-layout tensors (module names match, less the `model.` prefix,
+        and q/k/v and gate/up are stacked into one projection each, as vLLM does: one matrix
+        product instead of three or two)."""
+        state = stack_projections({k.removeprefix("model."): v for k, v in weights.items()})
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         own = self.state_dict()
@@ -112,3 +127,24 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(own[name].shape)}")
         self.load_state_dict(state, strict=False, assign=False)
         self.tie_weights()
+
+
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def stack_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`…q_proj.weight`, `…k_proj.weight`, `…v_proj.weight` -> `…qkv_proj.weight` (rows stacked in
+    that order; biases too), and gate/up likewise. A checkpoint missing a part keeps its names, so
+    the loader reports what is missing."""
+    out = dict(state)
+    for name in state:
+        for stacked, parts in STACKED.items():
+            prefix, dot, suffix = name.partition(f".{parts[0]}.")
+            if not dot:
+                continue
+            names = [f"{prefix}.{part}.{suffix}" for part in parts]
+            if all(n in state for n in names):
+                out[f"{prefix}.{stacked}.{suffix}"] = torch.cat([state[n] for n in names])
+                for n in names:
+                    del out[n]
+    return out

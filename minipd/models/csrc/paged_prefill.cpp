@@ -16,6 +16,7 @@
 #include <type_traits>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#include "exp16.h"
 #endif
 
 namespace {
@@ -26,23 +27,6 @@ constexpr int KEYS = 128;  // keys per step of the online softmax (its reduction
 constexpr int VEC = KEYS / 16;
 constexpr int MAX_D = 256;
 constexpr float NONE = -1e30f;  // the running max before any key; finite, as -ffast-math assumes
-
-// exp(x) for x <= 0: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, degree-6 Taylor (about 1 ulp)
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // below this e^x is 0 in float32 anyway
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // s[r][c:c+32] = q[r] . keys c..c+31 of kt, K^T of one head with row stride ld
 template <int D>
@@ -149,7 +133,7 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
           mv = _mm512_set1_ps(mx);
           __m512 sum = _mm512_setzero_ps();
           for (int x = 0; x < VEC; ++x) {
-            const __m512 px = _mm512_maskz_mov_ps(mask[x], exp_nonpositive(_mm512_sub_ps(sv[x], mv)));
+            const __m512 px = _mm512_maskz_mov_ps(mask[x], exp16(_mm512_sub_ps(sv[x], mv)));
             _mm512_storeu_ps(p[r] + 16 * x, px);
             sum = _mm512_add_ps(sum, px);
           }
