@@ -115,3 +115,25 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_kernels(tiny_mode
         assert run_staggered(portable, prompts, params) == got
     finally:
         use_cpu_kernels(tiny_model)
+
+
+def test_fused_elementwise_steps_equal_the_eager_ones():
+    from minipd.models.rope import apply_rope
+
+    torch.manual_seed(0)
+    x, w = torch.randn(37, 576) * 3, torch.randn(576)
+    eager = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert (torch.ops.minipd.rms_norm(x, w, 1e-5) - eager).abs().max() < 1e-5
+    gate_up = torch.randn(37, 2 * 1539) * 6  # halves of one product: strided rows, an odd width reaches the tail
+    gate, up = gate_up.split(1539, dim=-1)
+    assert (torch.ops.minipd.silu_and_mul(gate, up) - F.silu(gate) * up).abs().max() < 1e-4
+    qkv = torch.randn(37, (9 + 3 + 3) * 64)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(37, 9, 64), k.view(37, 3, 64)
+    cos, sin = torch.randn(37, 1, 64), torch.randn(37, 1, 64)
+    want_q, want_k = apply_rope(q, k, cos, sin)
+    torch.ops.minipd.rope_(q, k, cos, sin)  # in place, through the views
+    assert (q - want_q).abs().max() < 1e-5 and (k - want_k).abs().max() < 1e-5
+    assert (qkv[:, : 9 * 64].view(37, 9, 64) - want_q).abs().max() < 1e-5
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.minipd.rms_norm(x.bfloat16(), w, 1e-5)
