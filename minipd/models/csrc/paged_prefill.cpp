@@ -5,7 +5,7 @@
 // chunk of it (a cached prefix is read where it lies, not gathered).
 //
 // Per kv head: its keys are copied once per call into K^T (head_dim x keys, keys along the vector
-// lanes) and V (keys x head_dim), then tiles of ROWS query rows (query position x query head of
+// lanes; V is read in place), then tiles of ROWS query rows (query position x query head of
 // the group, which share the kv head) sweep the keys KEYS at a time: scores by broadcasting each
 // query element against 32 keys' worth of K^T, then p * V into the tile's output.
 #include <torch/library.h>
@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #include "exp16.h"
@@ -49,7 +50,7 @@ inline void scores(const float* q, const float* kt, int64_t ld, float s[ROWS][KE
 
 // o[r] = o[r] * corr[r] + sum_j<n p[r][j] v[j], four rows and 64 columns of o at a time
 template <int D>
-inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], const float* v, int n) {
+inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], const float* const* v, int n) {
   for (int r0 = 0; r0 < ROWS; r0 += 4) {
     for (int c = 0; c < D; c += 64) {
       constexpr int W = D >= 64 ? 4 : D / 16;  // D % 64 == 0 or D < 64: whole chunks
@@ -60,7 +61,7 @@ inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], c
           acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * MAX_D + c + 16 * x), _mm512_set1_ps(corr[r0 + r]));
       for (int j = 0; j < n; ++j) {
         __m512 vv[4];
-        for (int x = 0; x < w; ++x) vv[x] = _mm512_loadu_ps(v + j * D + c + 16 * x);
+        for (int x = 0; x < w; ++x) vv[x] = _mm512_loadu_ps(v[j] + c + 16 * x);
         for (int r = 0; r < 4; ++r) {
           const __m512 pv = _mm512_set1_ps(p[r0 + r][j]);
           for (int x = 0; x < w; ++x) acc[r][x] = _mm512_fmadd_ps(pv, vv[x], acc[r][x]);
@@ -77,18 +78,26 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
          int64_t T, int64_t ctx, int64_t Hq, int64_t Hkv, float scale, float* out) {
   const int64_t G = Hq / Hkv, first = ctx - T;  // position of the first query
   const int64_t L = (ctx + 31) / 32 * 32;  // keys, padded with zeros to whole score blocks
-  auto kt_all = at::zeros({Hkv, D, L}, at::kFloat), v_all = at::zeros({Hkv, L, D}, at::kFloat);
+  auto kt_all = at::empty({Hkv, D, L}, at::kFloat);
   float* ktp = kt_all.data_ptr<float>();
-  float* vtp = v_all.data_ptr<float>();
+  std::vector<const float*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
+  static const float zeros[MAX_D] = {};
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h)
-      for (int64_t j = 0; j < ctx; ++j) {
-        const int64_t slot = table[j / block_size] * block_size + j % block_size;
-        const float* k = k_cache + (slot * Hkv + h) * D;
-        const float* v = v_cache + (slot * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) ktp[(h * D + d) * L + j] = k[d];
-        std::copy(v, v + D, vtp + (h * L + j) * D);
+    for (int64_t h = h0; h < h1; ++h) {
+      for (int64_t j0 = 0; j0 < L; j0 += 16) {  // 16 keys at a time: each K^T write is one cache line
+        const float* k[16];
+        for (int jj = 0; jj < 16; ++jj) {
+          const int64_t j = j0 + jj;
+          k[jj] = j < ctx ? k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D : zeros;
+        }
+        for (int d = 0; d < D; ++d) {
+          float* dst = ktp + (h * D + d) * L + j0;
+          for (int jj = 0; jj < 16; ++jj) dst[jj] = k[jj][d];
+        }
       }
+      for (int64_t j = 0; j < ctx; ++j)
+        v_rows[h * ctx + j] = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+    }
   });
   const int64_t rows = T * G, tiles = (rows + ROWS - 1) / ROWS;  // rows of one kv head: (position, g)
   at::parallel_for(0, Hkv * tiles, 1, [&](int64_t w0, int64_t w1) {
@@ -109,7 +118,7 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
       }
       const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
       const float* kt = ktp + h * D * L;
-      const float* vh = vtp + h * L * D;
+      const float* const* vh = v_rows.data() + h * ctx;
       for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
         const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
         for (int c = 0; c < n; c += 32) scores<D>(qt, kt + k0 + c, L, s, c);
@@ -141,7 +150,7 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
           l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
           m[r] = mx;
         }
-        accumulate<D>(o, corr, p, vh + k0 * D, n);
+        accumulate<D>(o, corr, p, vh + k0, n);
       }
       for (int r = 0; r < n; ++r) {
         const int64_t i = (row0 + r) / G, g = (row0 + r) % G;
