@@ -9,7 +9,9 @@ minipd/vLLM ratios: a throughput ratio > 1 and latency ratios < 1 favour minipd)
 raw JSON of every `vllm bench serve` run, its log, each server's log and summary.json.
 
 Fairness. Both servers run float32 weights and KV, with prefix caching off (vLLM:
---no-enable-prefix-caching; minipd has none), greedy sampling, one engine on len(--cores) threads
+--no-enable-prefix-caching; minipd has none), the same scheduling policy (vLLM's CPU default:
+chunked prefill with a budget of 2048 tokens per step, every running decode first; minipd:
+--mode chunked --chunk-tokens 2048, the default of --minipd-args), greedy sampling, one engine on len(--cores) threads
 (minipd: --workers 1 --threads-per-worker N; vLLM: VLLM_CPU_OMP_THREADS_BIND=<cores>, its OpenMP
 threads one per core). --pin engine (default): the process that runs the model (minipd's worker;
 vLLM's VLLM::Worker) gets exactly --cores, all its threads pinned; everything else (minipd's
@@ -71,7 +73,11 @@ def parse_args():
         choices=["auto", "none"],
         help="auto: LD_PRELOAD tcmalloc and the venv's libiomp5 for vLLM when present",
     )
-    ap.add_argument("--minipd-args", default="", help="extra arguments for `python -m minipd serve`")
+    ap.add_argument(
+        "--minipd-args",
+        default="--mode chunked --chunk-tokens 2048",
+        help="extra arguments for `python -m minipd serve` (default: vLLM's CPU scheduling policy and budget)",
+    )
     ap.add_argument("--vllm-args", default="", help="extra arguments for `vllm serve`")
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds to wait for a server")
     ap.add_argument("--out", default=None, help="folder for raw results and logs; None: /tmp/bench-vs-vllm-<time>")
