@@ -17,13 +17,16 @@ def add_engine_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests a worker runs at once")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="weight-only int8 linears with bfloat16 activations (off: float32, token-exact with HF)")
+    p.add_argument("--prepack", default=True, action=argparse.BooleanOptionalAction,
+                   help="cpu, float32: also keep the layers' weights in oneDNN's blocked layout (5-14%% faster "
+                        "prefill, a second copy of those weights in memory)")
 
 
 def cmd_generate(args) -> int:
     from minipd import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
-              quantization=args.quantization)  # fmt: skip
+              quantization=args.quantization, prepack=args.prepack)  # fmt: skip
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.raw:
         out = llm.generate(args.prompt, params, use_tqdm=False)[0]

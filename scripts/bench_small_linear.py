@@ -1,6 +1,7 @@
 """The decode step's linear layers alone, at 1 to 8 rows: minipd's small-row kernel against
-torch's F.linear (MKL) and oneDNN, on the default model's weight shapes in step order (30 layers
-and the LM head, 538 MB: more than the caches, so every call reads from memory). Prints GB/s of
+torch's F.linear (MKL) and oneDNN (plain weights, and prepacked in its blocked layout), on the
+default model's weight shapes in step order (30 layers and the LM head, 538 MB: more than the
+caches, so every call reads from memory). Prints GB/s of
 weights read and the ratio to a plain read stream measured in the same process, one thread.
 
     python scripts/bench_small_linear.py
@@ -11,22 +12,22 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="rows of x (the decode batch)")
     ap.add_argument("--repeats", type=int, default=5, help="best of this many passes")
     args = ap.parse_args()
+    import torch
+
     torch.set_num_threads(1)
     from minipd.models import cpu_kernels
 
     if not cpu_kernels.small_linear_available():
         raise SystemExit("the small-row kernel is not built here (needs a compiler and AVX-512)")
     hidden, inter, kv, vocab, layers = 576, 1536, 192, 49152, 30  # SmolLM2-135M
-    shapes = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
-              (hidden, inter)] * layers + [(vocab, hidden)]  # fmt: skip
+    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers + [
+        (vocab, hidden)]  # q/k/v and gate/up stacked, as minipd holds them  # fmt: skip
     weights = [torch.randn(n, k) for n, k in shapes]
     total = sum(w.numel() for w in weights) * 4
 
@@ -42,17 +43,20 @@ def main() -> None:
     stream = torch.ones(128 * 2**20)
     bw = stream.numel() * 4 / best(stream.sum)
     print(f"read stream {bw / 1e9:.1f} GB/s; weights {total / 1e6:.0f} MB per pass; GB/s (fraction of the stream)")
+    onednn = torch.ops.mkldnn._linear_pointwise
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights}  # as --prepack holds them
     ways = {
         "minipd": lambda x, w: torch.ops.minipd.small_linear(x, w, None),
         "F.linear": torch.nn.functional.linear,
-        "oneDNN": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        "oneDNN": lambda x, w: onednn(x, w, None, "none", [], ""),
+        "oneDNN packed": lambda x, w: onednn(x, packed[id(w)], None, "none", [], ""),
     }
-    print(f"{'rows':>4}" + "".join(f"{name:>18}" for name in ways))
+    print(f"{'rows':>4}" + "".join(f"{name:>17}" for name in ways))
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {hidden: torch.randn(m, hidden), inter: torch.randn(m, inter)}
             for fn in ways.values():  # same answers, or the comparison means nothing
-                torch.testing.assert_close(fn(xs[inter], weights[6]), xs[inter] @ weights[6].t(), rtol=1e-4, atol=1e-3)
+                torch.testing.assert_close(fn(xs[inter], weights[3]), xs[inter] @ weights[3].t(), rtol=1e-4, atol=1e-3)
             rates = [total / best(lambda: [fn(xs[w.shape[1]], w) for w in weights]) for fn in ways.values()]
             print(f"{m:>4}" + "".join(f"{r / 1e9:>10.1f} ({r / bw:>4.0%})" for r in rates), flush=True)
 

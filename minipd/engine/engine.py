@@ -69,7 +69,7 @@ class Engine:
             ),
             self.blocks,
         )  # fmt: skip
-        self.runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_storage)
+        self.runner = ModelRunner(self.model, config.num_blocks, config.block_size, kv_storage, config.prepack)
         self.last_step = StepStats()
         self.on_prefill_step = None  # (start, prefill tokens, decodes, prefilling ids): a step that reads prompt tokens begins
 

@@ -13,7 +13,7 @@ from minipd.models.llama import LlamaForCausalLM
 class ModelRunner:
     """Owns the weights and the paged KV cache; turns a scheduled batch into sampled tokens."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_storage=None):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, kv_storage=None, prepack=True):
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -31,7 +31,7 @@ class ModelRunner:
         self.read_in_place = self.device.type == "cpu" and cpu_kernels.available()
         self.prefill_in_place = self.device.type == "cpu" and cpu_kernels.paged_prefill_available(
             self.dtype, cfg.head_dim)  # fmt: skip
-        use_cpu_kernels(model)
+        use_cpu_kernels(model, prepack=prepack)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int | None]:

@@ -73,7 +73,7 @@ def add_serve_parser(sub, add_engine_args) -> None:
 def worker_configs(args) -> list[dict]:
     base = {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
             "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs,
-            "chunk_tokens": args.chunk_tokens, "quantization": args.quantization}  # fmt: skip
+            "chunk_tokens": args.chunk_tokens, "quantization": args.quantization, "prepack": args.prepack}  # fmt: skip
     if args.device == "cuda":
         gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(_cuda_device_count()))
         if not gpus:
