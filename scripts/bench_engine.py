@@ -7,7 +7,8 @@ hardware floor for this machine, measured in this process with the same threads:
 read every weight once per step (the tied embedding counts once, as the LM head) and every
 sequence's KV, at the measured read bandwidth; prefill needs 2 FLOPs per weight per token of
 the decoder layers (the embedding is a lookup; the LM head runs for the last token only) at the
-measured matmul rate. About 5-10 minutes on 2 cores with the default model.
+measured matmul rate (attention's own FLOPs are not counted: a 2,048-token prompt adds a third).
+About 5-10 minutes on 2 cores with the default model.
 
     python scripts/bench_engine.py --threads 1
 """
@@ -69,11 +70,14 @@ def main() -> None:
         return x.numel() * 4 / best_of(lambda: x.sum(), 5)
 
     def matmul_rate() -> float:
-        """The faster of the BLAS torch uses (MKL on CPU) and oneDNN, on a prefill-shaped product."""
+        """The fastest of the BLAS torch uses (MKL on CPU) and oneDNN with plain or prepacked
+        weights, on a prefill-shaped product."""
         a, w = torch.randn(2048, 576, dtype=dtype, device=dev), torch.randn(1536, 576, dtype=dtype, device=dev)
         fns = [lambda: a @ w.t()]
         if dev.type == "cpu" and torch.backends.mkldnn.is_available():
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 2048)
             fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
+            fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
         return max(2 * 2048 * 576 * 1536 / best_of(fn, 5) for fn in fns)
 
     from transformers import AutoModelForCausalLM, DynamicCache

@@ -52,3 +52,25 @@ def test_bfloat16_runs_and_batching_does_not_change_it(tiny_model):
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone and all(len(t) == 8 for t in together)
     assert llm.engine.runner.kv_cache.dtype == torch.bfloat16
+
+
+def test_a_checkpoint_missing_a_projection_is_refused_by_name():
+    from minipd.models.files import tiny_random_config
+    from minipd.models.llama import LlamaForCausalLM, stack_projections
+
+    model = LlamaForCausalLM(tiny_random_config(vocab_size=64))
+    hf = {f"model.{k}": v for k, v in model.state_dict().items()}
+    assert stack_projections({"a.q_proj.weight": torch.ones(2, 3), "a.k_proj.weight": torch.zeros(1, 3),
+                              "a.v_proj.weight": torch.zeros(1, 3)})["a.qkv_proj.weight"].shape == (4, 3)  # fmt: skip
+    parts = {}
+    for name, tensor in list(hf.items()):  # unstack into the checkpoint's own names
+        if ".qkv_proj." in name:
+            q, k, v = tensor.split([64, 32, 32])
+            del hf[name]
+            parts.update({name.replace("qkv_proj", "q_proj"): q, name.replace("qkv_proj", "k_proj"): k,
+                          name.replace("qkv_proj", "v_proj"): v})  # fmt: skip
+    hf.update(parts)
+    model.load_hf_weights(dict(hf))  # complete: loads
+    del hf["model.layers.1.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.\{q_proj,k_proj,v_proj\}\.weight"):
+        model.load_hf_weights(hf)

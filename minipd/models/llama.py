@@ -124,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
         own = self.state_dict()
         missing = sorted(set(own) - set(state) - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
         if missing:
+            for stacked, parts in STACKED.items():  # name what the checkpoint itself calls them
+                missing = [m.replace(stacked, "{" + ",".join(parts) + "}") for m in missing]
             raise ValueError(f"checkpoint lacks {missing[:5]}")
         for name, tensor in state.items():
             if name in own and own[name].shape != tensor.shape:
