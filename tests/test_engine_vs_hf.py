@@ -28,6 +28,16 @@ def test_continuous_batching_matches_hf(default_model, chat_prompt_ids, hf_greed
     engine.blocks.check_integrity()
 
 
+def test_plain_weights_without_prepacking_match_hf(default_model, chat_prompt_ids, hf_greedy):
+    """--no-prepack: every product from the plain weights (the small-row kernel up to 8 rows)."""
+    engine = make_engine(default_model, prepack=False, kv_cache_tokens=4096)
+    try:
+        assert all(m.packed is None for m in default_model.modules() if hasattr(m, "packed"))
+        assert run_staggered(engine, chat_prompt_ids, GREEDY, join_every=3) == hf_greedy
+    finally:
+        make_engine(default_model, kv_cache_tokens=64)  # packs again, for the tests after this one
+
+
 def test_export_import_matches_hf(default_model, chat_prompt_ids, hf_greedy):
     """Prefill on one engine, hand the KV to a second engine, decode there."""
     prefill = make_engine(default_model, role="prefill", kv_cache_tokens=4096)
