@@ -313,6 +313,11 @@ def main() -> None:  # noqa: C901 - one straight script
             time.sleep(1)
             if left := [p for p in self.pids if alive(p)]:
                 raise RuntimeError(f"{self.name}: processes {left} outlived the server")
+            # Intel OpenMP (vLLM preloads libiomp5) registers each process in /dev/shm and removes the
+            # file at a clean exit only: remove what this server's processes left
+            for p in self.pids:
+                for path in glob.glob(f"/dev/shm/__KMP_REGISTERED_LIB_{p}_*"):
+                    os.unlink(path)
             self.log.close()
             print(f"[{self.name}] stopped; all {len(self.pids)} processes gone", flush=True)
 

@@ -1,6 +1,7 @@
 """A real Worker on the tiny model, driven in this process message by message: nothing a request
 or a message does may end it, and its handoff records follow the protocol."""
 
+import os
 import time
 
 import msgpack
@@ -60,9 +61,7 @@ class Harness:
         return got
 
     def close(self):
-        w = self.worker
-        w.sender.close()
-        w.ctx.destroy(linger=0)
+        self.worker.close()
         self.ctx.destroy(linger=0)
 
 
@@ -194,3 +193,11 @@ def test_a_worker_that_can_run_nothing_does_not_spin(harness):
     e.blocks.release_seat("hog")
     got = h.run_until(lambda msgs: any(x.finished for x in of(m.Tokens, msgs)))
     assert of(m.Tokens, got)[-1].key == "waits"
+
+
+def test_closing_a_worker_removes_its_shared_memory_cache(tmp_path):
+    h = Harness(tmp_path, transport="shm")
+    path = f"/dev/shm/{h.worker.cache_segment.name}"
+    assert os.path.exists(path)
+    h.close()
+    assert not os.path.exists(path)

@@ -113,10 +113,14 @@ class Worker:
                 if time.monotonic() - self.last_stats > HEARTBEAT_S:
                     self._guarded(self.send_stats)
         finally:
-            self.sender.close()
-            self.ctx.destroy(linger=0)
-            if self.cache_segment is not None:
-                shm.unlink(self.cache_segment)
+            self.close()
+
+    def close(self) -> None:
+        """Sockets closed, the shared-memory cache (if any) unlinked."""
+        self.sender.close()
+        self.ctx.destroy(linger=0)
+        if self.cache_segment is not None:
+            shm.unlink(self.cache_segment)
 
     @staticmethod
     def _drain(sock, handler) -> None:
