@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from minipd.models import cpu_kernels
 from minipd.models.attention import gather
-from minipd.models.linear import Linear, use_cpu_kernels
+from minipd.models.linear import use_cpu_kernels
 from minipd.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.helpers import run_staggered

@@ -1,6 +1,7 @@
 """minipd's CPU kernels (csrc/): attention read in place from the paged cache (decode, and a
-flash-attention-style prefill for float32), and a linear layer for the few rows of a decode step. Built once, on first use, with the machine's compiler through
-torch.utils.cpp_extension (cached under ~/.cache/torch_extensions), and registered with
+flash-attention-style prefill for float32), a linear layer for the few rows of a decode step, and
+the fused element-wise steps of a layer. Built once, on first use, with the machine's compiler
+through torch.utils.cpp_extension (cached under ~/.cache/torch_extensions), and registered with
 torch.library as torch.ops.minipd.*. If they cannot be built, the portable PyTorch paths are used
 (slower, same results up to float rounding)."""
 
