@@ -26,13 +26,23 @@ class Tokenizer:
             template = (folder / "chat_template.jinja").read_text()
         self.chat_template = template
         self._compiled = None
+        self._max_token_chars: int | None = None
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = self._tok.token_to_id(eos) if eos else None
+
+    @property
+    def max_token_chars(self) -> int:
+        """No token is longer (vocabulary entries are written as bytes or longer: an upper bound on characters)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return self._max_token_chars
 
     def __len__(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > 4096:  # encode_batch lets go of the GIL while it works (encode does not)
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -8,11 +8,13 @@ import hmac
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
 
 from minipd.server import protocol as p
+from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.modes import Mode
@@ -23,6 +25,9 @@ log = logging.getLogger("minipd.api")
 STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "invalid_request_error"),
           Overloaded: (429, "rate_limit_error"), Unavailable: (503, "server_error")}  # fmt: skip
 OPEN_PATHS = ("/health", "/metrics")
+MAX_BODY_BYTES = 32 * 2**20
+CORS = web.RequestKey("cors", dict)
+INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 
 
@@ -55,6 +60,39 @@ async def errors_as_json(request: web.Request, handler):
         return json_error(ApiError("internal server error", 500, type_="server_error"))
 
 
+def guard_browsers(guard: BrowserGuard):
+    """browser_guard.py's rules; a CORS preflight is answered here, before the API key is asked for."""
+
+    def refuse(message: str, code: str) -> web.Response:
+        return json_error(ApiError(message, 403, type_="invalid_request_error", code=code))
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        host = request.headers.get("Host")
+        why = guard.host_refusal(host)
+        if why:
+            return refuse(why, "host_not_allowed")
+        origin = request.headers.get("Origin")
+        method = request.headers.get("Access-Control-Request-Method", request.method).upper()
+        why = guard.origin_refusal(method, request.path, origin, host)
+        if why:
+            return refuse(why, "origin_not_allowed")
+        cors = guard.cors_headers(origin, request.path)
+        if request.method == "OPTIONS" and origin is not None:
+            allow = request.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
+            return web.Response(status=204, headers={**cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                                                     "Access-Control-Allow-Headers": allow,
+                                                     "Access-Control-Max-Age": "600"})  # fmt: skip
+        request[CORS] = cors
+        return await handler(request)
+
+    return check
+
+
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers.update(request.get(CORS) or {})
+
+
 def require_api_key(key: str):
     """vLLM's --api-key: /v1 and /admin need `Authorization: Bearer <key>`; health and metrics stay open."""
 
@@ -72,7 +110,7 @@ def require_api_key(key: str):
 
 class Api:
     def __init__(self, router: Router, model_name: str, max_model_len: int, default_max_tokens: int = 1024,
-                 api_key: str | None = None, kv_transport: str = "shm"):  # fmt: skip
+                 api_key: str | None = None, kv_transport: str = "shm", guard: BrowserGuard | None = None):  # fmt: skip
         self.router = router
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -80,10 +118,15 @@ class Api:
         self.api_key = api_key
         self.kv_transport = kv_transport
         self.tokenizer = router.tokenizer
+        self.guard = guard or BrowserGuard("127.0.0.1")
+        self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 1
+        self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
 
     def app(self) -> web.Application:
-        middlewares = [errors_as_json] + ([require_api_key(self.api_key)] if self.api_key else [])
-        app = web.Application(middlewares=middlewares, client_max_size=32 * 2**20)
+        middlewares = [errors_as_json, guard_browsers(self.guard)]
+        middlewares += [require_api_key(self.api_key)] if self.api_key else []
+        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(add_cors_headers)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -103,13 +146,24 @@ class Api:
     # ---- OpenAI endpoints ---------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        ids = p.completion_prompt(body, self._tokenizer())
-        return await self._serve(request, body, ids, chat=False)
+        prompt = p.completion_prompt(body, self.max_model_len, self.max_token_chars)
+        if isinstance(prompt, str):
+            tokenizer = self._tokenizer()
+            prompt = await self._off_loop(len(prompt), tokenizer.encode, prompt)
+        return await self._serve(request, body, prompt, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        ids = p.chat_prompt(body, self._tokenizer())
+        messages = p.chat_messages(body, self.max_model_len, self.max_token_chars)
+        num_chars = sum(len(msg["content"]) for msg in messages)
+        ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer())
         return await self._serve(request, body, ids, chat=True)
+
+    async def _off_loop(self, num_chars: int, fn, *args):
+        """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
+        if num_chars < INLINE_TOKENIZE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, fn, *args)
 
     async def _serve(self, request, body, ids: list[int], chat: bool) -> web.StreamResponse:
         model = body.get("model")
@@ -118,14 +172,13 @@ class Api:
                            404, param="model", code="model_not_found")  # fmt: skip
         prompt_param = "messages" if chat else "prompt"
         if len(ids) >= self.max_model_len:
-            raise ApiError(f"This model's maximum context length is {self.max_model_len} tokens; the "
-                           f"{prompt_param} has {len(ids)} tokens", param=prompt_param)  # fmt: skip
+            raise p.context_error(self.max_model_len, prompt_param, f"{len(ids)} tokens")
         vocab = len(self.tokenizer) if self.tokenizer else None
         if vocab and any(t < 0 or t >= vocab for t in ids):
             raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
         stream, include_usage = p.stream_options(body)
         default = self.default_max_tokens if chat else 16
-        params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param)
+        params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         state = self.router.submit(rid, ids, params)
         try:
@@ -326,6 +379,9 @@ class Api:
 
     # ---- helpers -----------------------------------------------------------------------
     async def _body(self, request) -> dict:
+        if request.content_type != "application/json" and not request.content_type.endswith("+json"):
+            raise ApiError(f"the request body must be JSON, sent with 'Content-Type: application/json' "
+                           f"(got {request.content_type!r})", 415)  # fmt: skip
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):

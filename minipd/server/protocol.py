@@ -18,6 +18,28 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+INT64 = 2**63
+# fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
+UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "prompt_logprobs", "min_p",
+               "min_tokens", "use_beam_search", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
+               "prediction", "web_search_options")  # fmt: skip
+HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
+
+
+def refuse_unsupported(body: dict) -> None:
+    for name in UNSUPPORTED:
+        value = body.get(name)
+        if value not in (None, False, 0, "", [], {}):
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    for name, fine in HARMLESS.items():
+        if body.get(name) is not None and body[name] not in fine:
+            raise ApiError(f"'{name}' other than {' or '.join(map(repr, fine))} is not supported", param=name)
+
+
 def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     value = body.get(name)
     if value is None:
@@ -34,9 +56,10 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
 
 
 def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, prompt_len: int,
-                    prompt_param: str = "prompt") -> SamplingParams:  # fmt: skip
+                    prompt_param: str = "prompt", vocab_size: int = INT64) -> SamplingParams:  # fmt: skip
     """max_tokens_default: when the client gives no max_tokens (bounded by what the context has left);
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
+    refuse_unsupported(body)
     for name in ("n", "best_of"):
         if body.get(name, 1) not in (1, None):
             raise ApiError(f"'{name}' other than 1 is not supported", param=name)
@@ -69,9 +92,15 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError("'stop' must be a string or a list of non-empty strings", param="stop")
+    if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
+                       f"each", param="stop")  # fmt: skip
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise ApiError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+                       param="stop_token_ids")  # fmt: skip
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids):
+        raise ApiError(f"'stop_token_ids' must be token ids in [0, {vocab_size})", param="stop_token_ids")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise ApiError("'ignore_eos' must be a boolean", param="ignore_eos")
@@ -79,8 +108,8 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0),
-        top_k=_number(body, "top_k", -1, int, low=-1),
-        seed=_number(body, "seed", None, int),
+        top_k=_number(body, "top_k", -1, int, low=-1, high=INT64 - 1),
+        seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
     )  # fmt: skip
 
@@ -95,38 +124,70 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     return stream, bool(opts.get("include_usage", False))
 
 
-def completion_prompt(body: dict, tokenizer) -> list[int]:
+def context_error(max_model_len: int, param: str, what: str) -> ApiError:
+    return ApiError(f"This model's maximum context length is {max_model_len} tokens; the {param} has {what}",
+                    param=param)  # fmt: skip
+
+
+def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
+    """Refuse, before tokenizing, a text that cannot fit: no token is longer than max_token_chars."""
+    if num_chars > max_model_len * max_token_chars:
+        raise context_error(max_model_len, param, f"{num_chars:,} characters, more than {max_model_len} tokens of at "
+                                                  f"most {max_token_chars} characters each can hold")  # fmt: skip
+
+
+def completion_prompt(body: dict, max_model_len: int, max_token_chars: int) -> str | list[int]:
+    """The prompt as text (still to be tokenized) or as token ids, refused early when it cannot fit."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError("'prompt' must not be empty", param="prompt")
-        return tokenizer.encode(prompt)
+        check_prompt_chars(len(prompt), max_model_len, max_token_chars, "prompt")
+        return prompt
+    if isinstance(prompt, list) and len(prompt) >= max_model_len:
+        raise context_error(max_model_len, "prompt", f"{len(prompt)} tokens")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise ApiError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
                    param="prompt")  # fmt: skip
 
 
-def chat_prompt(body: dict, tokenizer) -> list[int]:
+def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[dict]:
+    """The messages, checked and flattened to text; refused early when they cannot fit."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
-    clean = []
+    if len(messages) > max_model_len:
+        raise ApiError(f"'messages' has {len(messages)} entries; at most {max_model_len} (the context length) "
+                       "are accepted", param="messages")  # fmt: skip
+    clean, num_chars, num_parts = [], 0, 0
     for msg in messages:
         if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise ApiError("each message needs a 'role' of system, user, assistant or tool", param="messages")
         content = msg.get("content", "")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            num_parts += len(content)
+            if num_parts > max_model_len:
+                raise ApiError(f"the messages have more than {max_model_len} content parts", param="messages")
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                       for p in content):  # fmt: skip
                 raise ApiError("only text content parts are supported", param="messages")
             content = "".join(p.get("text", "") for p in content)
+        if content is None and msg["role"] == "assistant":
+            content = ""
         if not isinstance(content, str):
             raise ApiError("message 'content' must be a string", param="messages")
+        num_chars += len(content)
         role = "system" if msg["role"] == "developer" else msg["role"]
         clean.append({"role": role, "content": content})
-    ids = tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+    check_prompt_chars(num_chars, max_model_len, max_token_chars, "messages")
+    return clean
+
+
+def chat_prompt(messages: list[dict], tokenizer) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

@@ -1,0 +1,209 @@
+"""The HTTP layer on its own (aiohttp's test client, a router with no worker processes): what a
+web page, a hostile client or a huge input may do. Each test runs in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+import aiohttp
+import openai
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from minipd.server.app import Api
+from minipd.server.browser_guard import BrowserGuard
+from minipd.server.metrics import Metrics
+from minipd.server.router import Router
+from minipd.server.worker_pool import WorkerPool
+
+pytestmark = pytest.mark.asyncio
+EVIL = "http://evil.example"
+MAX_MODEL_LEN = 2048
+
+
+@asynccontextmanager
+async def api_client(tokenizer=None, listen_host="127.0.0.1", **guard):
+    pool = WorkerPool([])
+    router = Router(pool, tokenizer, Metrics("tiny"))
+    api = Api(router, "tiny", MAX_MODEL_LEN, guard=BrowserGuard(listen_host, **guard))
+    try:
+        async with TestClient(TestServer(api.app(), host="127.0.0.1")) as client:
+            client.api = api
+            yield client
+    finally:
+        pool.kill()
+
+
+def own_origin(client: TestClient) -> str:
+    return f"http://127.0.0.1:{client.port}"
+
+
+async def error_of(resp) -> dict:
+    body = await resp.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+# ---- browser origins ----------------------------------------------------------------------------
+async def test_a_foreign_page_cannot_switch_the_mode_with_a_simple_request():
+    """Defect: a cross-origin text/plain POST (no preflight in a browser) switched the mode."""
+    async with api_client() as client:
+        before = client.api.router.mode.as_dict()
+        for content_type in ("text/plain", "application/json"):
+            resp = await client.post("/admin/mode", data='{"mode": "chunked"}',
+                                     headers={"Origin": EVIL, "Content-Type": content_type})  # fmt: skip
+            assert resp.status == 403 and (await error_of(resp))["code"] == "origin_not_allowed"
+        assert client.api.router.mode.as_dict() == before
+
+
+async def test_a_body_that_is_not_declared_json_is_refused():
+    async with api_client() as client:
+        resp = await client.post("/admin/mode", data='{"mode": "chunked"}', headers={"Content-Type": "text/plain"})
+        assert resp.status == 415 and "application/json" in (await error_of(resp))["message"]
+        resp = await client.post("/v1/completions", data='{"prompt": "hi"}')  # curl -d without -H
+        assert resp.status == 415
+
+
+async def test_the_servers_own_page_passes_the_origin_check():
+    async with api_client() as client:
+        resp = await client.post("/admin/mode", json={"mode": "colocated", "workers": "x"},
+                                 headers={"Origin": own_origin(client)})  # fmt: skip
+        assert resp.status == 400 and (await error_of(resp))["param"] == "workers"  # judged on its content
+        resp = await client.get("/v1/models", headers={"Origin": own_origin(client)})
+        assert resp.status == 200
+
+
+@pytest.mark.parametrize("path", ["/admin/workers", "/admin/mode", "/v1/models", "/metrics"])
+async def test_dns_rebinding_is_refused_on_loopback(path):
+    """Defect: `Host: evil.example:PORT` reached /admin on a server bound to 127.0.0.1."""
+    async with api_client() as client:
+        resp = await client.get(path, headers={"Host": f"evil.example:{client.port}"})
+        assert resp.status == 403 and (await error_of(resp))["code"] == "host_not_allowed"
+        for host in (f"localhost:{client.port}", f"127.0.0.1:{client.port}", f"[::1]:{client.port}"):
+            assert (await client.get(path, headers={"Host": host})).status == 200
+
+
+async def test_allowed_hosts_and_network_binding():
+    async with api_client(allowed_hosts=["evil.example"]) as client:
+        assert (await client.get("/v1/models", headers={"Host": "evil.example:1"})).status == 200
+    async with api_client(listen_host="0.0.0.0") as client:  # on the network the Host check is opt-in
+        assert (await client.get("/v1/models", headers={"Host": "192.0.2.7:8000"})).status == 200
+    async with api_client(listen_host="0.0.0.0", allowed_hosts=["gpu-box"]) as client:
+        assert (await client.get("/v1/models", headers={"Host": "gpu-box:8000"})).status == 200
+        assert (await client.get("/v1/models", headers={"Host": "other:8000"})).status == 403
+
+
+async def test_v1_from_a_foreign_page_only_when_its_origin_is_allowed():
+    async with api_client() as client:
+        resp = await client.get("/v1/models", headers={"Origin": EVIL})
+        assert resp.status == 403 and "--allowed-origins" in (await error_of(resp))["message"]
+        preflight = await client.options("/v1/chat/completions", headers={
+            "Origin": EVIL, "Access-Control-Request-Method": "POST"})  # fmt: skip
+        assert preflight.status == 403 and "Access-Control-Allow-Origin" not in preflight.headers
+    async with api_client(allowed_origins=[EVIL]) as client:
+        resp = await client.get("/v1/models", headers={"Origin": EVIL})
+        assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == EVIL
+        preflight = await client.options("/v1/chat/completions", headers={
+            "Origin": EVIL, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})  # fmt: skip
+        assert preflight.status == 204 and preflight.headers["Access-Control-Allow-Origin"] == EVIL
+        assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+        # an origin allowed on /v1 still cannot change the server
+        resp = await client.post("/admin/mode", json={"mode": "chunked"}, headers={"Origin": EVIL})
+        assert resp.status == 403
+        assert (await client.get("/v1/models", headers={"Origin": "http://other.example"})).status == 403
+    async with api_client(allowed_origins=["*"]) as client:
+        resp = await client.get("/v1/models", headers={"Origin": "null"})
+        assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_the_openai_client_and_a_vllm_bench_style_request_pass(tokenizer):
+    async with api_client(tokenizer) as client:
+        base = f"http://127.0.0.1:{client.port}/v1"
+        async with openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0) as oai:
+            assert (await oai.models.list()).data[0].id == "tiny"
+        # vllm bench serve: aiohttp, json=payload, its own headers; refused only for want of workers
+        async with aiohttp.ClientSession() as session:
+            payload = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "stream": True, "ignore_eos": True}
+            async with session.post(base + "/completions", json=payload,
+                                    headers={"Authorization": "Bearer none", "User-Agent": "vllm-bench"}) as resp:  # fmt: skip
+                assert resp.status == 503
+
+
+# ---- inputs that must be refused before they cost anything ---------------------------------------
+async def test_a_huge_prompt_is_refused_without_tokenizing_it(tokenizer, monkeypatch):
+    """Defect: a 4 MB prompt was tokenized on the event loop (7 s) before its length was checked."""
+    async with api_client(tokenizer) as client:
+        calls = []
+        monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(1) or [])
+        for path, body in (("/v1/completions", {"prompt": "x" * 4_000_000}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 4_000_000}]})):  # fmt: skip
+            started = time.monotonic()
+            resp = await client.post(path, json=body)
+            err = await error_of(resp)
+            assert resp.status == 400 and "maximum context length is 2048" in err["message"]
+            assert time.monotonic() - started < 1.0
+        assert calls == []
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
+    async with api_client(tokenizer) as client:
+        text = "the quick brown fox jumps over the lazy dog " * 3500  # 154,000 characters, ~35,000 tokens
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        resp = await client.post("/v1/completions", json={"prompt": text})
+        done.set()
+        await tick
+        err = await error_of(resp)
+        assert resp.status == 400 and "tokens" in err["message"]  # tokenized, then found too long
+        assert max(gaps) < 0.05, max(gaps)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stop": ["a"] * 17}, "stop"),
+    ({"stop": ["a" * 513]}, "stop"),
+    ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ({"stop_token_ids": [10**30]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"seed": 2**70}, "seed"),
+    ({"top_k": 2**70}, "top_k"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"suffix": "x"}, "suffix"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"min_tokens": 5}, "min_tokens"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"prompt": [1] * 5000}, "prompt"),
+    ({"prompt": [1] * 100_000 + ["x"]}, "prompt"),
+])  # fmt: skip
+async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/completions", json={"prompt": "hi", **extra})
+        err = await error_of(resp)
+        assert resp.status == 400 and err["param"] == param, err
+
+
+async def test_message_lists_are_bounded(tokenizer):
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 3000})
+        assert resp.status == 400 and (await error_of(resp))["param"] == "messages"
+        parts = [{"type": "text", "text": ""}] * 3000
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
+        assert resp.status == 400 and (await error_of(resp))["param"] == "messages"
+        ok = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tool_choice": "none",
+            "response_format": {"type": "text"},
+        }
+        assert (await client.post("/v1/chat/completions", json=ok)).status == 503  # valid: no worker to run it
