@@ -86,6 +86,30 @@ def test_a_hung_worker_is_killed_and_replaced():
         assert "SIGKILL" in s.get("/admin/workers")[1]["workers"][1]["exit_cause"]
 
 
+def test_a_step_longer_than_the_worker_timeout_is_not_taken_for_a_hang():
+    """Defect: a worker said nothing while it stepped, so a long prompt on a slow CPU (5,000 tokens
+    on one thread with --worker-timeout 3) got its worker killed, four times, and a 500."""
+    with serving(*TINY, "--workers", "1", "--worker-timeout", "1", env={"MINIPD_FAULTS": "slow_step_s=2.5"}) as s:
+        pid = s.worker_pid(0)
+        status, body = completion(s, [1, 2, 3], max_tokens=2)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+        worker = s.get("/admin/workers")[1]["workers"][0]
+        assert worker["pid"] == pid and worker["restarts"] == 0
+
+
+def test_a_loop_stuck_outside_a_step_is_killed_although_its_heartbeat_goes_on():
+    with serving(*TINY, "--workers", "2", "--worker-timeout", "2", "--max-worker-restarts", "1",
+                 env={"MINIPD_FAULTS": "hang_on_token=777"}) as s:  # fmt: skip
+        pids = [s.worker_pid(0), s.worker_pid(1)]
+        started = time.monotonic()
+        status, err = completion(s, [777, 1, 2], max_tokens=3)
+        assert status == 500 and "stuck outside a step" in err["error"]["message"], err
+        assert time.monotonic() - started < 30
+        assert completion(s, [1, 2, 3], max_tokens=3)[0] in (200, 503)  # a worker may still be restarting
+        workers = s.get("/admin/workers")[1]["workers"]
+        assert any(w["pid"] not in pids for w in workers) or any(w["state"] != "up" for w in workers)
+
+
 def test_switching_mode_with_a_handoff_in_flight_neither_kills_nor_hangs():
     """Defect: after a request ended, its prefill worker could still be sending its KV; SetMode then
     made the worker's set_role raise, the worker died and every later request waited forever."""

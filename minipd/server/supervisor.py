@@ -46,7 +46,7 @@ class Supervisor:
         w.process.join(1)  # the sentinel says it ended; reap it to read its exit code
         code = w.process.exitcode
         how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit code {code}"
-        cause = f"worker {worker_id} (pid {w.pid}) died: {how}"
+        cause = f"worker {worker_id} (pid {w.pid}) died: {how}" + (f", as {w.kill_reason}" if w.kill_reason else "")
         log.error("%s", cause)
         self.pool.remove_segments_of(w)
         w.exit_cause = cause
@@ -93,6 +93,9 @@ class Supervisor:
         self.router.on_worker_back(worker_id)
         log.info("worker %d is back (pid %d, %s)", worker_id, w.pid, w.role)
 
+    def on_heartbeat(self, msg: m.Heartbeat) -> None:
+        self.pool.on_heartbeat(msg)
+
     def on_ready(self, msg: m.Ready) -> None:
         if not self.pool.on_ready(msg):
             return
@@ -107,10 +110,13 @@ class Supervisor:
             try:
                 now = time.monotonic()
                 for w in self.pool.workers:
-                    if w.alive and now - w.last_heard > self.worker_timeout:
-                        log.error("worker %d (pid %d) has not answered for %.0f s: killing it", w.worker_id,
-                                  w.pid, now - w.last_heard)  # fmt: skip
-                        w.last_heard = now
+                    if w.alive and self.pool.hung_for(w, now) > self.worker_timeout:
+                        silent = now - w.last_heard
+                        how = f"has not answered for {silent:.0f} s" if silent > self.worker_timeout else \
+                            f"has been stuck outside a step for {self.pool.hung_for(w, now):.0f} s"  # fmt: skip
+                        log.error("worker %d (pid %d) %s: killing it", w.worker_id, w.pid, how)
+                        w.last_heard, w.stalled_s = now, 0.0
+                        w.kill_reason = f"it {how}"
                         os.kill(w.pid, signal.SIGKILL)  # the sentinel takes it from there
                 self.router.check_deadlines()
             except Exception:

@@ -37,7 +37,10 @@ class WorkerHandle:
     role: str = "both"  # the role it has, or gets when it comes back
     state: str = "starting"  # starting | up | restarting | dead
     last_heard: float = 0.0  # time.monotonic() of its last message
+    step_s: float = 0.0  # its last heartbeat: how long the step under way had run
+    stalled_s: float = 0.0  # ... how long its loop had not come round outside a step
     exit_cause: str | None = None
+    kill_reason: str | None = None  # why the supervisor killed it, if it did
     restarts: list[float] = field(default_factory=list)
 
     @property
@@ -88,7 +91,7 @@ class WorkerPool:
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy worker
         sock.connect(spec.control_address)
         w.process, w.control, w.info, w.stats = proc, sock, None, None
-        w.last_heard = time.monotonic()
+        w.last_heard, w.step_s, w.stalled_s, w.kill_reason = time.monotonic(), 0.0, 0.0, None
         return w
 
     async def start(self, on_message, timeout: float = 300.0) -> None:
@@ -112,6 +115,8 @@ class WorkerPool:
             if isinstance(msg, m.Ready):
                 self.on_ready(msg)
                 pending.discard(msg.worker_id)
+            elif isinstance(msg, m.Heartbeat):
+                self.on_heartbeat(msg)
             else:
                 on_message(msg)
         for w in self.workers:
@@ -124,6 +129,16 @@ class WorkerPool:
             return False
         w.info = msg
         return True
+
+    def on_heartbeat(self, msg: m.Heartbeat) -> None:
+        w = self.workers[msg.worker_id]
+        if msg.incarnation == w.incarnation:
+            w.step_s, w.stalled_s = msg.step_s, msg.stalled_s
+
+    def hung_for(self, w: WorkerHandle, now: float) -> float:
+        """Seconds the worker has shown no sign of progress: silent (stopped, or its heartbeat
+        thread cannot run), or its loop stuck outside a step. A long step is progress."""
+        return w.stalled_s + now - w.last_heard
 
     async def receive(self):
         msg = m.decode(await self.inbox.recv())

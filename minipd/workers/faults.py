@@ -6,6 +6,7 @@ variable, e.g. MINIPD_FAULTS="fail_step_on_token=4242,slow_kv_copy_s=0.5". Off u
     slow_step_s=S              every engine step sleeps S seconds first
     ignore_request_on_token=T  a request whose prompt has token T is dropped on arrival (a lost message)
     bad_stats_on_token=T       a request whose prompt has token T makes the worker send nonsense stats
+    hang_on_token=T            a request whose prompt has token T hangs the worker's loop (outside a step)
 """
 
 from __future__ import annotations
@@ -54,13 +55,18 @@ def install(worker) -> None:
             return step()
 
         worker.engine.step = slow_step
-    if "ignore_request_on_token" in faults or "bad_stats_on_token" in faults:
+    if {"ignore_request_on_token", "bad_stats_on_token", "hang_on_token"} & faults.keys():
         handle = worker.handle
         ignore = int(faults.get("ignore_request_on_token", -1))
         bad_stats = int(faults.get("bad_stats_on_token", -1))
+        hang = int(faults.get("hang_on_token", -1))
 
         def faulty_handle(msg):
             tokens = getattr(msg, "prompt_token_ids", None) or ()
+            if hang in tokens:
+                log.warning("worker %d: injected fault: hanging on %s", worker.id, msg.key)
+                while True:
+                    time.sleep(1)
             if ignore in tokens:
                 log.warning("worker %d: injected fault: dropped %s", worker.id, msg.key)
                 return

@@ -162,6 +162,16 @@ class ModeSet:
 
 
 @message
+class Heartbeat:
+    """From a thread of its own, whatever the worker's loop is doing: a long step is not a hang."""
+
+    worker_id: int
+    incarnation: int
+    step_s: float  # how long the step under way has run (0 between steps)
+    stalled_s: float  # how long the loop has not come round, outside a step (a hang if it grows)
+
+
+@message
 class WorkerStats:
     """Sent after changes and at least every heartbeat interval."""
 

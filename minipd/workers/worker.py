@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -80,6 +81,10 @@ class Worker:
             handle = export_handle(cache)
         cache_name = self.cache_segment.name if self.cache_segment else f"worker{self.id}-{spec.incarnation}"
         e = self.engine
+        self.loop_beat = time.monotonic()  # the loop last came round
+        self.step_started: float | None = None
+        self.stop_heartbeat = threading.Event()
+        self.heartbeat = threading.Thread(target=self._beat, name="minipd-heartbeat", daemon=True)
         self.send(m.Ready(self.id, spec.incarnation, os.getpid(), spec.engine.get("device", "cpu"), self.kv_address,
                           e.blocks.num_blocks, e.blocks.block_size,
                           e.model.config.kv_bytes_per_token(cache.element_size()), cache_name, list(cache.shape),
@@ -88,10 +93,25 @@ class Worker:
     def send(self, msg) -> None:
         self.out.send(m.encode(msg))
 
+    def _beat(self) -> None:
+        sock = self.ctx.socket(zmq.PUSH)  # a socket belongs to one thread
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.spec.main_address)
+        try:
+            while not self.stop_heartbeat.is_set():
+                now, started = time.monotonic(), self.step_started
+                step_s, stalled_s = (now - started, 0.0) if started is not None else (0.0, now - self.loop_beat)
+                sock.send(m.encode(m.Heartbeat(self.id, self.spec.incarnation, step_s, stalled_s)))
+                self.stop_heartbeat.wait(HEARTBEAT_S)
+        finally:
+            sock.close(linger=0)
+
     # ---- the loop -------------------------------------------------------------------------
     def loop(self) -> None:
+        self.heartbeat.start()
         try:
             while self.running:
+                self.loop_beat = time.monotonic()
                 if os.getppid() != self.parent:
                     break  # the main process is gone: do not outlive it
                 busy = self.engine.has_unfinished() and not self.stuck
@@ -117,6 +137,9 @@ class Worker:
 
     def close(self) -> None:
         """Sockets closed, the shared-memory cache (if any) unlinked."""
+        self.stop_heartbeat.set()
+        if self.heartbeat.is_alive():
+            self.heartbeat.join(2 * HEARTBEAT_S)
         self.sender.close()
         self.ctx.destroy(linger=0)
         if self.cache_segment is not None:
@@ -338,6 +361,7 @@ class Worker:
     # ---- one engine step -------------------------------------------------------------------------
     def _step(self) -> None:
         e = self.engine
+        self.step_started = time.monotonic()
         try:
             outputs = e.step()
         except StepFailed as err:
@@ -353,6 +377,9 @@ class Worker:
                 self._fail_request(key, f"worker {self.id} failed: {err}")
             self.send_stats()
             return
+        finally:
+            self.step_started = None
+            self.loop_beat = time.monotonic()
         stats = e.last_step
         self.stuck = stats.scheduled == 0
         if self.stuck:
