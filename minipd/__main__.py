@@ -15,8 +15,13 @@ def add_engine_args(p) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache size per worker, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests a worker runs at once")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="weight-only int8 linears with bfloat16 activations (off: float32, token-exact with HF)")
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="cpu: weight-only int8 linears with bfloat16 activations; off, the weights stay float32, token-exact "
+        "with HF (default: off)",
+    )
     p.add_argument("--prepack", default=True, action=argparse.BooleanOptionalAction,
                    help="cpu, float32: also keep the layers' weights in oneDNN's blocked layout (5-14%% faster "
                         "prefill, a second copy of those weights in memory)")
@@ -47,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user's message (or, with --raw, the text to continue)")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling at temperature > 0 (default: random)")
     gen.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)

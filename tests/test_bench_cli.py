@@ -8,6 +8,8 @@ import threading
 import pytest
 from aiohttp import web
 
+from minipd.bench import main as bench_main
+from minipd.bench import plan_main
 from minipd.bench.main import run
 from minipd.bench.plan import Profile, Traffic, decode_tpot
 from tests.helpers import serving
@@ -53,6 +55,42 @@ class StandInServer:
     def stop(self):
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_lengths_alone_mean_the_fixed_workload():
+    args = bench_main.parse_args(["--input-len", "100", "--output-len", "20"])
+    assert args.workloads == "fixed" and (args.input_len, args.output_len) == (100, 20)
+    assert bench_main.parse_args([]).workloads == "chat"
+    assert bench_main.parse_args(["--workloads", "chat,fixed", "--input-len", "9", "--output-len", "3"]).input_len == 9
+    plan = plan_main.parse_args(
+        ["--input-len", "100", "--output-len", "20", "--slo-ttft-ms", "1", "--slo-tpot-ms", "1"]
+    )
+    assert plan.workload == "fixed"
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (
+            ["--workloads", "chat", "--input-len", "100", "--output-len", "20"],
+            "--input-len and --output-len are the fixed workload's lengths; --workloads chat does not run it",
+        ),
+        (["--input-len", "100"], "the fixed workload needs both --input-len and --output-len"),
+        (["--workloads", "fixed"], "the fixed workload needs both --input-len and --output-len"),
+        (["--input-len", "0", "--output-len", "20"], "--input-len and --output-len must be >= 1"),
+        (["--workloads", "sumarize"], "unknown workload 'sumarize'; choose from chat, summarize, mixed, fixed"),
+    ],
+)
+@pytest.mark.parametrize("tool", ["bench", "plan"])
+def test_lengths_that_would_be_ignored_are_one_line_errors(capsys, tool, argv, words):
+    if tool == "plan":
+        argv = [a.replace("--workloads", "--workload") for a in argv] + ["--slo-ttft-ms", "1", "--slo-tpot-ms", "1"]
+        words = words.replace("--workloads", "--workload")
+    with pytest.raises(SystemExit) as exit:
+        (bench_main if tool == "bench" else plan_main).parse_args(argv)
+    assert exit.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"python -m minipd {tool}: error: ") and words in error, error
 
 
 def test_bench_runs_unchanged_against_another_openai_server(tmp_path):

@@ -2,18 +2,20 @@
 metrics in Prometheus' format with minipd's own families, and a first handoff as fast as the rest."""
 
 import argparse
+import importlib
 import socket
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from minipd.__main__ import build_parser
+from minipd.__main__ import TOOLS, build_parser
 from minipd.cli_help import DefaultsFormatter
 from tests.helpers import serving
 
@@ -24,17 +26,46 @@ def subparser(name: str) -> argparse.ArgumentParser:
     return action.choices[name]
 
 
-@pytest.mark.parametrize("command", ["serve", "generate"])
-def test_help_shows_a_default_for_every_option_that_has_one(command):
-    p = subparser(command)
+def tool_parser(module: str) -> argparse.ArgumentParser:
+    """The parser a tool (bench, plan, demo) builds in its parse_args."""
+
+    class Built(Exception):
+        pass
+
+    def stop(self, *args, **kwargs):
+        raise Built(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", stop), pytest.raises(Built) as built:
+        importlib.import_module(module).parse_args([])
+    return built.value.args[0]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench", "plan", "demo"])
+def test_help_shows_a_default_for_every_option_that_takes_a_value(command):
+    p = tool_parser(TOOLS[command]) if command in TOOLS else subparser(command)
     fmt = DefaultsFormatter(p.prog)
     for action in p._actions:
-        if action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+        if action.option_strings and action.nargs != 0 and not action.required:
             assert action.help, action.option_strings
             assert "default" in fmt._get_help_string(action), action.option_strings
     text = p.format_help()
     for group in ("server", "modes", "disagg and KV transfer", "workers", "engine") if command == "serve" else ():
         assert f"\n{group}:" in text
+
+
+def test_help_says_what_no_value_means_and_never_shows_the_api_key(monkeypatch):
+    monkeypatch.setenv("MINIPD_API_KEY", "sekrit")
+    p = subparser("serve")
+    fmt = DefaultsFormatter(p.prog)
+    helps = {o: fmt._get_help_string(a) % vars(a) for a in p._actions for o in a.option_strings}
+    assert helps["--api-key"].endswith("(default: none; env MINIPD_API_KEY)")
+    assert helps["--kv-link-gbps"].endswith("(default: unpaced)")
+    assert helps["--kv-link-latency-ms"].endswith("(default: 0.0)")
+    assert helps["--quantization"].endswith("(default: off)")
+    assert "sekrit" not in p.format_help()
+    gen = subparser("generate")
+    temperature = gen._option_string_actions["--temperature"]
+    assert DefaultsFormatter(gen.prog)._get_help_string(temperature) % vars(temperature) == "0 = greedy (default: 0.0)"
 
 
 def run_cli(*args, timeout=20):
@@ -68,6 +99,7 @@ def test_a_port_in_use_is_one_line_and_exit_code_2_within_a_second():
     (("--model", "tiny-random", "--mode", "disagg", "--workers", "1"), "P + D <= 1"),
     (("--model", "tiny-random", "--kv-link-gbps", "1"), "need --kv-transport tcp"),
     (("--model", "tiny-random", "--kv-transport", "cuda-ipc"), "does not work with --device cpu"),
+    (("--model", "tiny-random", "--device", "cuda", "--quantization", "int8"), "--quantization int8"),
 ])  # fmt: skip
 def test_usual_mistakes_are_one_line_before_anything_heavy(args, words):
     out, took = run_cli("serve", "--port", "0", *args)

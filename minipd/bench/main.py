@@ -29,15 +29,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--kv-transport", default=None, choices=["shm", "tcp"],
                    help="for the server this starts (default: shm; tcp with --kv-link-gbps)")
     g = ap.add_argument_group("traffic")
-    g.add_argument("--workloads", default="chat", help="comma-separated: chat, summarize, mixed, fixed")
-    g.add_argument("--input-len", type=int, default=None, help="fixed workload: prompt tokens")
-    g.add_argument("--output-len", type=int, default=None, help="fixed workload: reply tokens")
+    g.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated: chat, summarize, mixed, fixed (default: chat; fixed when --input-len and "
+        "--output-len are given)",
+    )
+    g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
+    g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
     g.add_argument("--quick", action="store_true", help="lengths that fit a 2-core CPU (see minipd/bench/workloads.py)")
     g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s) to sweep; inf = all at once")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
     g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
     g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
-    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
     g = ap.add_argument_group("experiments")
     g.add_argument("--modes", default="colocated,chunked:64,disagg:1p1d",
@@ -54,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--out", default="bench-out", help="folder for results.json, report.md and the plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
+    from minipd.bench.workloads import workload_names
+
+    try:
+        args.workloads = ",".join(workload_names(args.workloads, args.input_len, args.output_len, "--workloads"))
+    except ValueError as err:
+        ap.error(str(err))
     if args.num_prompts is None and args.duration is None:
         args.num_prompts = 20
     if (args.goodput_search or args.plan) and not (args.slo_ttft_ms and args.slo_tpot_ms):

@@ -18,15 +18,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--api-key", default=None, help="its API key, if it needs one")
     ap.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--workers", type=int, default=2, help="workers of the server this starts")
-    ap.add_argument("--workload", default="chat", help="chat, summarize, mixed or fixed: its length distributions")
-    ap.add_argument("--input-len", type=int, default=None, help="fixed workload: prompt tokens")
-    ap.add_argument("--output-len", type=int, default=None, help="fixed workload: reply tokens")
+    ap.add_argument(
+        "--workload",
+        default=None,
+        help="chat, summarize, mixed or fixed: its length distributions "
+        "(default: chat; fixed when --input-len and --output-len are given)",
+    )
+    ap.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
+    ap.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
     ap.add_argument("--quick", action="store_true", help="the workload's 2-core sizes, and a shorter profile")
     ap.add_argument("--rate", type=float, default=0.5, help="requests per second")
     ap.add_argument("--slo-ttft-ms", type=float, required=True, help="SLO on time to first token")
     ap.add_argument("--slo-tpot-ms", type=float, required=True, help="SLO on time per output token")
     ap.add_argument("--plan-workers", type=int, default=None, help="workers to split (default: the server's)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    from minipd.bench.workloads import workload_names
+
+    try:
+        names = workload_names(args.workload, args.input_len, args.output_len, "--workload")
+    except ValueError as err:
+        ap.error(str(err))
+    if len(names) > 1:
+        ap.error(f"--workload takes one workload, got {args.workload!r}")
+    args.workload = names[0]
+    return args
 
 
 def run(argv=None) -> int:

@@ -125,6 +125,25 @@ def clip_to_model_len(prompt_len: int, output_len: int, max_model_len: int) -> t
     return prompt_len, output_len
 
 
+def workload_names(text: str | None, input_len: int | None, output_len: int | None, flag: str) -> list[str]:
+    """The workloads `flag` (comma-separated) names; lengths given without it mean the fixed workload.
+    Raises ValueError where the lengths would be ignored, or the fixed workload lacks them."""
+    lengths = input_len is not None or output_len is not None
+    names = text.split(",") if text else ["fixed" if lengths else "chat"]
+    for name in names:
+        if name not in WORKLOADS:
+            raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if lengths and "fixed" not in names:
+        raise ValueError(
+            f"--input-len and --output-len are the fixed workload's lengths; {flag} {text} does not run it"
+        )
+    if "fixed" in names and (input_len is None or output_len is None):
+        raise ValueError("the fixed workload needs both --input-len and --output-len")
+    if lengths and min(input_len, output_len) < 1:
+        raise ValueError("--input-len and --output-len must be >= 1")
+    return names
+
+
 def make_workload(
     name: str,
     *,
