@@ -287,7 +287,7 @@ class Api:
         return web.json_response(t)
 
     async def get_mode(self, request) -> web.Response:
-        return web.json_response(self.router.mode.as_dict())
+        return web.json_response(self.router.mode_report())
 
     async def post_mode(self, request) -> web.Response:
         body = await self._body(request)
@@ -333,7 +333,7 @@ class Api:
                          "kv_blocks_total": w.info.num_blocks if w.info else None,
                          "preemptions": s.num_preempted if s else 0, "handoffs": s.handoffs if s else {},
                          "integrity_error": s.integrity_error if s else None})  # fmt: skip
-        return web.json_response({"mode": r.mode.as_dict(), "kv_transport": self.kv_transport, "workers": rows,
+        return web.json_response({"mode": r.mode_report(), "kv_transport": self.kv_transport, "workers": rows,
                                   "seats": {"waiting": r.seats.num_waiting, "batches_sent": r.seats.batches_sent,
                                             "granted": r.seats.seats_granted}})  # fmt: skip
 

@@ -77,7 +77,7 @@ class ModeSwitcher:
         r = self.router
         mode.check(len(r.pool.workers))
         async with self.lock:
-            old = r.mode
+            old, r.target = r.mode, mode
             started = time.time()
             r.events.publish({"type": "mode", "phase": "drain", "time": started, "to": mode.as_dict()})
             r.serving.clear()  # new and waiting requests wait at the door
@@ -95,6 +95,7 @@ class ModeSwitcher:
                 if r.ready:
                     r.metrics.mode_switches.labels(r.metrics.model).inc()
             finally:
+                r.target = None
                 r.serving.set()
             r.events.publish({"type": "mode", "phase": "serving", "time": time.time(), "mode": mode.as_dict(),
                               "drain_seconds": time.time() - started})  # fmt: skip

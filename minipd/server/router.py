@@ -39,7 +39,8 @@ class Limits:
 
 class Router:
     def __init__(self, pool: WorkerPool, tokenizer, metrics: Metrics, limits: Limits | None = None,
-                 events: EventLog | None = None, drain_timeout: float = 600.0, kv_transport: str = "shm"):  # fmt: skip
+                 events: EventLog | None = None, drain_timeout: float = 600.0, kv_transport: str = "shm",
+                 target: Mode | None = None):  # fmt: skip
         self.pool = pool
         self.kv_transport = kv_transport
         self.tokenizer = tokenizer
@@ -49,7 +50,8 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self.by_key: dict[str, RequestState] = {}
         self.finished: OrderedDict[str, dict] = OrderedDict()  # recent timelines
-        self.mode = Mode()
+        self.mode = Mode()  # the mode the workers serve in
+        self.target = target  # the mode a switch (the start's too) is bringing them into, else None
         self.relay = Relay(metrics, kv_transport)
         self.seats = SeatBroker(pool, self.load, self._give_back_seat)
         self.dispatcher = Dispatcher(self, self.limits.decode_headroom_tokens)
@@ -299,6 +301,14 @@ class Router:
     # ---- modes -----------------------------------------------------------------------------------
     async def set_mode(self, mode: Mode) -> None:
         await self.switcher.switch(mode)
+
+    def mode_report(self) -> dict:
+        """Starting: the mode the server starts into. Switching: the mode served and the one coming."""
+        if not self.ready:
+            return {**(self.target or self.mode).as_dict(), "starting": True}
+        if self.target is not None:
+            return {**self.mode.as_dict(), "switching_to": self.target.as_dict()}
+        return self.mode.as_dict()
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting; let what runs finish for up to `timeout` seconds; end the rest."""

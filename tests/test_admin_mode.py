@@ -1,0 +1,67 @@
+"""GET /admin/mode and /admin/workers while the server starts and while it switches, without processes."""
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from minipd.server.app import Api
+from minipd.server.metrics import Metrics
+from minipd.server.modes import Mode
+from minipd.server.router import Router
+from minipd.workers import messages as m
+
+DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}
+
+
+class Pool:
+    """Two workers; what is sent to them is kept, and they answer when the test says so."""
+
+    def __init__(self):
+        up = {"pid": 1, "state": "up", "alive": True, "role": "both", "device": "cpu", "incarnation": 0}
+        self.workers = [
+            SimpleNamespace(**up, worker_id=i, restarts=[], exit_cause=None, info=None, stats=None) for i in range(2)
+        ]
+        self.sent = []
+
+    def peers(self) -> dict:
+        return {}
+
+    def send(self, worker_id: int, msg) -> None:
+        self.sent.append((worker_id, msg))
+
+
+async def reported(api: Api) -> dict:
+    mode = json.loads((await api.get_mode(None)).text)
+    assert json.loads((await api.workers(None)).text)["mode"] == mode
+    return mode
+
+
+async def switch_and_report(router: Router, api: Api, mode: Mode) -> dict:
+    """What the server reports while the workers take their roles for `mode`."""
+    pool = router.pool
+    pool.sent.clear()
+    switch = asyncio.ensure_future(router.set_mode(mode))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    during = await reported(api)
+    for worker_id, msg in pool.sent:
+        router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+    await switch
+    return during
+
+
+def test_a_server_starting_into_disagg_reports_disagg_until_it_serves_it():
+    async def go():
+        mode = Mode("disagg", 1, 1)
+        router = Router(Pool(), None, Metrics("m"), target=mode)  # as `minipd serve --mode disagg` makes it
+        api = Api(router, "m", 128)
+        assert await reported(api) == {**DISAGG, "starting": True}  # the workers are still loading
+        assert await switch_and_report(router, api, mode) == {**DISAGG, "starting": True}
+        router.ready = True
+        assert await reported(api) == DISAGG
+        during = await switch_and_report(router, api, Mode("chunked", chunk_tokens=64))
+        assert during == {**DISAGG, "switching_to": {"mode": "chunked", "chunk_tokens": 64}}
+        assert await reported(api) == {"mode": "chunked", "chunk_tokens": 64}
+        assert [w.role for w in router.pool.workers] == ["both", "both"]
+
+    asyncio.run(go())
