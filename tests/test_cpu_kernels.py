@@ -98,7 +98,9 @@ def test_paged_prefill_refuses_what_it_cannot_do():
     with pytest.raises(RuntimeError, match="block table too short"):
         torch.ops.minipd.paged_prefill(q, cache, cache, table[:1], 40, 16, 0.125)
     with pytest.raises(RuntimeError, match="head_dim"):
-        torch.ops.minipd.paged_prefill(torch.randn(4, 2, 80), torch.randn(64, 1, 80), torch.randn(64, 1, 80), table, 4, 16, 0.1)
+        torch.ops.minipd.paged_prefill(
+            torch.randn(4, 2, 80), torch.randn(64, 1, 80), torch.randn(64, 1, 80), table, 4, 16, 0.1
+        )
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.minipd.paged_prefill(q.bfloat16(), cache, cache, table, 4, 16, 0.125)
 

@@ -1,22 +1,26 @@
 """minipd's CPU kernels (csrc/): attention read in place from the paged cache (decode, and a
 flash-attention-style prefill for float32), a linear layer for the few rows of a decode step, and
-the fused element-wise steps of a layer. Built once, on first use, with the machine's compiler
-through torch.utils.cpp_extension (cached under ~/.cache/torch_extensions), and registered with
-torch.library as torch.ops.minipd.*. If they cannot be built, the portable PyTorch paths are used
-(slower, same results up to float rounding)."""
+the fused element-wise steps of a layer. Built once for the CPU they run on (kernel_build names
+the build and runs it in a child before the workers spawn), with the machine's compiler through
+torch.utils.cpp_extension, and registered with torch.library as torch.ops.minipd.*. If they cannot
+be built, the portable PyTorch paths are used (slower, same results up to float rounding)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import torch
 
+from minipd.models import kernel_build
+
 log = logging.getLogger("minipd.kernel")
 _state: dict = {}
 SMALL_LINEAR_MAX_ROWS = 8
+PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
 
 
 def available() -> bool:
@@ -25,17 +29,22 @@ def available() -> bool:
     return _state["ok"]
 
 
+def error() -> str:
+    return _state.get("error", "")
+
+
+def compiled_with_avx512() -> bool:
+    return available() and torch.ops.minipd.small_linear_supported()
+
+
 def small_linear_available() -> bool:
+    """The AVX-512 kernels: built for AVX-512 and run on a CPU that reports it."""
     if "small_linear" not in _state:
-        _state["small_linear"] = available() and torch.ops.minipd.small_linear_supported()
+        _state["small_linear"] = kernel_build.avx512_kernels_usable(compiled_with_avx512(), kernel_build.cpu_flags())
     return _state["small_linear"]
 
 
-PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
-
-
 def paged_prefill_available(dtype: torch.dtype, head_dim: int) -> bool:
-    """The prefill kernel: float32, AVX-512 (the same build test as the small-row kernel)."""
     return dtype == torch.float32 and head_dim in PREFILL_HEAD_DIMS and small_linear_available()
 
 
@@ -43,14 +52,50 @@ def _build() -> bool:
     if os.environ.get("MINIPD_NO_KERNEL"):
         return False
     try:
-        from torch.utils.cpp_extension import load
-
-        files = sorted((Path(__file__).parent / "csrc").iterdir())
-        sources = [str(p) for p in files if p.suffix == ".cpp"]
-        digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()[:10]  # headers too
-        load(name=f"minipd_cpu_kernels_{digest}", sources=sources, is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-march=native", "-ffast-math", "-funroll-loops"])  # fmt: skip
+        _load(kernel_build.extension_name(), kernel_build.build_directory())
         return hasattr(torch.ops.minipd, "paged_attention")
-    except Exception as err:  # no compiler, no headers: the portable path still works
-        log.warning("the paged-attention CPU kernel could not be built (%s); using the gather path", err)
+    except Exception as err:  # no compiler, no headers, no ninja: the portable path still works
+        _state["error"] = _one_line(err)
+        log.warning("the CPU kernels could not be built (%s); %s", _state["error"], kernel_build.PORTABLE)
         return False
+
+
+def _one_line(err: Exception) -> str:
+    """The line that says why, out of torch's message and ninja's output (commands, progress)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    said = [line for line in lines[1:] if not line.startswith(("[", "FAILED:", "ninja:")) and " -o " not in line]
+    return next((line for line in said if "error" in line.lower()), said[0] if said else lines[0])[:300]
+
+
+def _load(name: str, folder: Path) -> None:
+    library = folder / f"{name}.so"
+    if library.is_file():  # built before the workers spawned: no lock, no ninja
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # cut short by a killed link: ninja builds it again
+            pass
+    ninja = kernel_build.ninja_path()
+    if ninja is None:
+        raise RuntimeError(kernel_build.NINJA_MISSING)
+    if shutil.which("ninja") is None:  # torch runs `ninja`: found next to this python only
+        os.environ["PATH"] = os.pathsep.join([str(Path(ninja).parent), os.environ.get("PATH", "")])
+    folder.mkdir(parents=True, exist_ok=True)
+    if note := kernel_build.wait_for_lock(folder / "lock"):
+        log.warning("minipd: %s", note)
+    from torch.utils.cpp_extension import load
+
+    sources = [str(p) for p in sorted(kernel_build.CSRC.glob("*.cpp"))]
+    load(
+        name=name,
+        sources=sources,
+        extra_cflags=kernel_build.CFLAGS,
+        build_directory=str(folder),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
+if __name__ == "__main__":  # the build, in the child kernel_build.build_in_child() starts
+    print("ok" if available() else error())
+    sys.exit(0 if available() else 1)

@@ -1,0 +1,206 @@
+"""The CPU kernels' build: keyed by the CPU it targets, run once in a child with a timeout, and never
+stuck behind the lock of a build that was killed."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minipd.models import cpu_kernels, kernel_build
+
+AVX2 = frozenset("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 hypervisor".split())
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+
+
+@pytest.fixture
+def extensions_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("MINIPD_NO_KERNEL", "")  # unset, restored after the test: build_in_child may set it
+    return tmp_path
+
+
+def fake_build(monkeypatch, code: str) -> None:
+    monkeypatch.setattr(kernel_build, "BUILD_COMMAND", [sys.executable, "-c", code])
+
+
+def test_the_build_helper_does_not_import_torch():
+    code = (
+        "import sys, minipd.models.kernel_build as k; k.extension_name(); k.build_directory(); "
+        "sys.exit('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_cpu_flags_are_read_from_x86_and_arm_cpuinfo():
+    x86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n\nprocessor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f\n"
+    assert kernel_build.parse_cpu_flags(x86) == {"fpu", "sse2", "avx2", "avx512f"}
+    arm = "processor\t: 0\nFeatures\t: fp asimd sve bf16\nCPU implementer\t: 0x41\n"
+    assert kernel_build.parse_cpu_flags(arm) == {"fp", "asimd", "sve", "bf16"}
+    assert kernel_build.parse_cpu_flags("") == frozenset()
+
+
+def test_the_extension_name_changes_with_the_instruction_sets_of_the_cpu(monkeypatch):
+    names = {}
+    for label, flags in {"avx2": AVX2, "avx512": AVX512, "avx2 on another host": AVX2 - {"hypervisor"}}.items():
+        monkeypatch.setattr(kernel_build, "cpu_flags", lambda flags=flags: flags)
+        names[label] = kernel_build.extension_name()
+    assert names["avx2"] != names["avx512"]  # a shared cache never hands an AVX-512 build to an AVX2 CPU
+    assert names["avx2"] == names["avx2 on another host"]  # flags that are no instruction set do not split it
+    assert "avx512" in names["avx512"] and "avx512" not in names["avx2"]
+
+
+def test_the_avx512_kernels_run_only_where_the_cpu_reports_avx512():
+    assert kernel_build.avx512_kernels_usable(compiled=True, flags=AVX512)
+    assert not kernel_build.avx512_kernels_usable(compiled=True, flags=AVX2)
+    assert not kernel_build.avx512_kernels_usable(compiled=False, flags=AVX512)
+
+
+def test_small_linear_and_paged_prefill_ask_the_cpu_not_only_the_compiler(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(cpu_kernels, "compiled_with_avx512", lambda: True)
+    for flags, want in ((AVX2, False), (AVX512, True)):
+        monkeypatch.setattr(cpu_kernels, "_state", {"ok": True})
+        monkeypatch.setattr(kernel_build, "cpu_flags", lambda flags=flags: flags)
+        assert cpu_kernels.small_linear_available() == want
+        assert cpu_kernels.paged_prefill_available(torch.float32, 64) == want
+
+
+def test_an_old_lock_is_a_killed_build_and_is_removed_with_one_line_naming_it(extensions_dir):
+    lock = kernel_build.build_directory() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    assert kernel_build.remove_stale_lock(lock, older_than=60) == ""  # young: a build may be running
+    assert lock.exists()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    note = kernel_build.remove_stale_lock(lock, older_than=60)
+    assert str(lock) in note and "\n" not in note
+    assert not lock.exists()
+
+
+def test_waiting_on_a_young_lock_ends_when_it_goes_stale(extensions_dir):
+    lock = kernel_build.build_directory() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    start = time.monotonic()
+    note = kernel_build.wait_for_lock(lock, stale_after=0.5)
+    assert time.monotonic() - start < 5 and str(lock) in note and not lock.exists()
+    assert kernel_build.wait_for_lock(lock, stale_after=0.5) == ""  # no lock: no wait, nothing to say
+
+
+def test_the_first_start_prints_one_progress_line_and_a_cached_start_none(extensions_dir, monkeypatch, capsys):
+    library = kernel_build.library_path()
+    fake_build(
+        monkeypatch, f"import pathlib; p = pathlib.Path({str(library)!r}); p.parent.mkdir(parents=True); p.touch()"
+    )
+    outcome = kernel_build.build_in_child(timeout=30)
+    assert "built" in outcome and "\n" not in outcome
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "building the CPU kernels" in err and "first start only" in err
+    fake_build(monkeypatch, "raise SystemExit('must not run: the build is cached')")
+    assert "cached" in kernel_build.build_in_child(timeout=30)
+    assert capsys.readouterr().err == ""
+    assert not os.environ["MINIPD_NO_KERNEL"]
+
+
+def test_a_build_that_fails_says_why_in_one_line_and_the_workers_skip_the_kernels(extensions_dir, monkeypatch):
+    fake_build(monkeypatch, "print('some noise'); print('c++: command not found'); raise SystemExit(1)")
+    outcome = kernel_build.build_in_child(timeout=30)
+    assert "c++: command not found" in outcome and "portable" in outcome and "\n" not in outcome
+    assert os.environ["MINIPD_NO_KERNEL"] == "1"  # the workers spawned next do not try again
+
+
+def test_a_build_past_its_timeout_is_killed_with_its_compilers_and_leaves_no_lock(
+    extensions_dir, monkeypatch, tmp_path
+):
+    lock, pid_file = kernel_build.build_directory() / "lock", tmp_path / "compiler.pid"
+    fake_build(
+        monkeypatch,
+        "import pathlib, subprocess, sys, time\n"
+        f"compiler = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(compiler.pid))\n"
+        f"pathlib.Path({str(lock)!r}).parent.mkdir(parents=True, exist_ok=True)\n"
+        f"open({str(lock)!r}, 'x'); print('building', flush=True); time.sleep(60)",
+    )
+    start = time.monotonic()
+    outcome = kernel_build.build_in_child(timeout=3)
+    assert time.monotonic() - start < 10
+    assert "timed out" in outcome and str(lock) in outcome and "\n" not in outcome
+    assert not lock.exists() and os.environ["MINIPD_NO_KERNEL"] == "1"
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)
+
+
+def test_a_lock_held_before_the_build_started_is_named_not_removed(extensions_dir, monkeypatch):
+    lock = kernel_build.build_directory() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()  # another server building into the same cache right now
+    fake_build(monkeypatch, "import time; time.sleep(60)")
+    outcome = kernel_build.build_in_child(timeout=1)
+    assert "timed out" in outcome and str(lock) in outcome and lock.exists()
+
+
+def test_a_missing_ninja_is_said_not_silently_skipped(extensions_dir, monkeypatch):
+    monkeypatch.setattr(kernel_build, "ninja_path", lambda: None)
+    fake_build(monkeypatch, "raise SystemExit('must not run without ninja')")
+    outcome = kernel_build.build_in_child(timeout=30)
+    assert "ninja" in outcome and "pip install ninja" in outcome and "\n" not in outcome
+    monkeypatch.setenv("MINIPD_NO_KERNEL", "")  # set by the build above; a process building for itself also says so
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert not cpu_kernels.available() and "pip install ninja" in cpu_kernels.error()
+
+
+def test_a_failed_compile_is_told_by_the_compilers_line_not_by_the_command():
+    command = "c++ -MMD -MF elementwise.o.d -O3 -march=native -c /x/elementwise.cpp -o elementwise.o"
+    ninja = (
+        "Error building extension 'minipd': [1/2] {c}\nFAILED: [code=1] elementwise.o\n{c}\nIn file included from "
+        "/x/elementwise.cpp:1:\n/x/exp16.h:3:1: error: 'x' does not name a type\nninja: build stopped: subcommand failed."
+    )
+    assert (
+        cpu_kernels._one_line(RuntimeError(ninja.format(c=command)))
+        == "/x/exp16.h:3:1: error: 'x' does not name a type"
+    )
+    missing = ninja.format(c=command).replace(
+        "/x/exp16.h:3:1: error: 'x' does not name a type", "/bin/sh: 1: c++: not found"
+    )
+    assert cpu_kernels._one_line(RuntimeError(missing)) == "In file included from /x/elementwise.cpp:1:"
+
+
+def test_minipd_no_kernel_still_turns_them_off(extensions_dir, monkeypatch):
+    monkeypatch.setenv("MINIPD_NO_KERNEL", "1")
+    fake_build(monkeypatch, "raise SystemExit('must not run: the kernels are off')")
+    assert "MINIPD_NO_KERNEL" in kernel_build.build_in_child(timeout=30)
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    assert not cpu_kernels.available()
+
+
+@pytest.mark.slow
+def test_a_real_build_in_a_fresh_cache_with_a_stale_lock_left_in_it(extensions_dir, capsys):
+    lock = kernel_build.build_directory() / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    outcome = kernel_build.build_in_child(timeout=600)
+    assert "built" in outcome and str(lock) in outcome, outcome
+    assert kernel_build.library_path().is_file() and not lock.exists()
+    assert "building the CPU kernels" in capsys.readouterr().err
+    assert "cached" in kernel_build.build_in_child(timeout=600)
+    code = (
+        "import sys; from minipd.models import cpu_kernels; "
+        "sys.exit(not cpu_kernels.available() or 'torch.utils.cpp_extension' in sys.modules)"
+    )
+    worker = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)  # loads the file, no build
+    assert worker.returncode == 0, worker.stderr
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
