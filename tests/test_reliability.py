@@ -2,6 +2,7 @@
 workers, failing steps, lost messages, aborts inside a copy, disconnects, deadlines, shutdown."""
 
 import asyncio
+import glob
 import os
 import signal
 import socket
@@ -300,7 +301,7 @@ def test_the_main_process_never_loads_torch():
 def test_tcp_keeps_the_kv_caches_out_of_shared_memory():
     with serving(*TINY, "--workers", "2", "--mode", "disagg", "--kv-transport", "tcp") as s:
         assert completion(s, [1, 2, 3], max_tokens=2)[0] == 200
-        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"minipd_{s.proc.pid}_")]
+        assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"minipd_{s.proc.pid}-")]
 
 
 def test_too_little_shared_memory_is_one_line_at_start():
@@ -327,3 +328,30 @@ def test_ctrl_c_in_the_terminal_drains_instead_of_killing_the_workers():
         assert s.proc.wait(15) == 0
         log = s.output()
         assert "died" not in log and "restarting" not in log and "redoing" not in log, log
+
+
+def test_two_servers_side_by_side_and_one_killed_hard():
+    """Defect: segment names came from the main pid, so servers sharing /dev/shm (containers, all
+    pid 1) failed to start after a hard kill and deleted each other's segments."""
+    with serving(*TINY, "--workers", "2") as survivor, serving(*TINY, "--workers", "2") as victim:
+        theirs = glob.glob(f"/dev/shm/minipd_{victim.proc.pid}-*_cache*")
+        assert len(theirs) == 2 and len(glob.glob(f"/dev/shm/minipd_{survivor.proc.pid}-*_cache*")) == 2
+        victim.children_seen()
+        os.killpg(victim.proc.pid, signal.SIGKILL)  # main process and workers, no clean-up at all
+        victim.proc.wait()
+        for pid in victim.worker_pids:
+            wait_gone(pid)
+        assert all(os.path.exists(p) for p in theirs)  # a hard kill leaves them...
+        assert completion(survivor, [1, 2, 3], max_tokens=3)[0] == 200
+        with serving(*TINY, "--workers", "1") as third:  # ...and the next start removes them
+            assert not any(os.path.exists(p) for p in theirs)
+            assert "left by servers that were killed" in third.output()
+            assert completion(survivor, [1, 2, 3], max_tokens=3)[0] == 200
+        assert len(glob.glob(f"/dev/shm/minipd_{survivor.proc.pid}-*_cache*")) == 2
+
+
+def wait_gone(pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, f"pid {pid} still alive"
+        time.sleep(0.05)

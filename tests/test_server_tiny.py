@@ -269,7 +269,7 @@ def test_overload_gets_429_and_the_rest_complete():
 
 def test_workers_end_and_clean_up_when_the_main_process_is_killed():
     s = ServerProcess("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1")
-    assert len(glob.glob(f"/dev/shm/minipd_{s.proc.pid}_*")) == 2  # the two workers' KV caches
+    assert len(glob.glob(f"/dev/shm/minipd_{s.proc.pid}-*_cache*")) == 2  # the two workers' KV caches
     s.stop(signal.SIGKILL)  # no chance to clean up: the workers must notice and go
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and s.leftovers() != ([], []):

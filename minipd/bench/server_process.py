@@ -121,4 +121,4 @@ class ServerProcess:
                         alive.append(pid)
             except (ProcessLookupError, FileNotFoundError):
                 pass
-        return alive, glob.glob(f"/dev/shm/minipd_{self.proc.pid}_*")
+        return alive, glob.glob(f"/dev/shm/minipd_{self.proc.pid}-*")

@@ -66,7 +66,12 @@ class WorkerPool:
         self.spec_defaults = dict(kv_transport=kv_transport, kv_link_gbps=kv_link_gbps,
                                   kv_link_latency_ms=kv_link_latency_ms, kv_transfer_timeout=kv_transfer_timeout,
                                   seat_timeout=seat_timeout, mode_timeout=mode_timeout)  # fmt: skip
-        self.tag = f"{os.getpid()}"
+        self.tag = shm.new_tag()
+        self.owner = shm.Owner(self.tag) if kv_transport == "shm" else None
+        orphans = shm.remove_orphans() if kv_transport == "shm" else []
+        if orphans:
+            log.info("removed %d shared-memory segments left by servers that were killed: %s", len(orphans),
+                     ", ".join(orphans[:4]))  # fmt: skip
         self.dir = tempfile.mkdtemp(prefix="minipd-")
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
@@ -184,17 +189,16 @@ class WorkerPool:
             if p is not None and p.is_alive():
                 p.kill()
                 p.join(2)
-        left = shm.unlink_all(self.tag)
+        left = [n for n in shm.unlink_all(self.tag) if self.owner is None or n != os.path.basename(self.owner.path)]
         if left:
             log.info("removed %d shared-memory segments left by workers", len(left))
+        if self.owner is not None:
+            self.owner.release()
         self.ctx.destroy(linger=0)
         self.actx.destroy(linger=0)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def remove_segments_of(self, w: WorkerHandle) -> None:
-        """A worker died: its KV cache segment would outlive it."""
-        if w.info is not None and w.info.kv_cache_name and self.kv_transport == "shm":
-            try:
-                os.unlink(f"/dev/shm/{w.info.kv_cache_name}")
-            except FileNotFoundError:
-                pass
+        """A worker died, perhaps before it was ready: its KV cache segment would outlive it."""
+        if self.kv_transport == "shm" and w.incarnation >= 0:
+            shm.unlink_name(shm.cache_segment_name(self.tag, w.worker_id, w.incarnation))

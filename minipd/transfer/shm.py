@@ -1,14 +1,65 @@
 """Named POSIX shared-memory segments (torch-free): with the shm transport each worker's KV cache
 lives in one, so that a prefill worker can write a prompt's KV straight into a decode worker's
-cache. The worker that creates a segment unlinks it; the server removes what a dead one left."""
+cache. The worker that creates a segment unlinks it; the server removes what a dead one left.
+
+Names carry a tag new at every start (the pid alone collides: in containers every server is
+pid 1). While a server runs it holds a lock on its tag's owner file; a later start removes the
+segments of tags whose owner is gone (a server that was SIGKILLed)."""
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
+import secrets
 from multiprocessing import resource_tracker, shared_memory
 
 PREFIX = "minipd_"
+SHM_DIR = "/dev/shm"
+OWNER = "owner"
+
+
+def new_tag() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def cache_segment_name(tag: str, worker_id: int, incarnation: int) -> str:
+    return segment_name(tag, f"cache{worker_id}-{incarnation}")
+
+
+class Owner:
+    """This server's claim on its tag: a locked file beside its segments, released when it exits."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.path = os.path.join(SHM_DIR, segment_name(tag, OWNER))
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+            _remove(self.path)
+
+
+def remove_orphans() -> list[str]:
+    """Segments of servers that died without cleaning up: their owner file is no longer locked."""
+    removed = []
+    for owner in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*_{OWNER}")):
+        try:
+            fd = os.open(owner, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its server is alive
+        finally:
+            os.close(fd)
+        tag = os.path.basename(owner)[len(PREFIX) : -len(OWNER) - 1]
+        removed += [n for n in unlink_all(tag) if not n.endswith(OWNER)]
+    return removed
 
 
 def segment_name(tag: str, name: str) -> str:
@@ -32,18 +83,23 @@ def open_segment(name: str) -> shared_memory.SharedMemory:
 def unlink(segment: shared_memory.SharedMemory) -> None:
     """Remove a segment's name (SharedMemory.unlink would also tell the resource tracker, which
     no longer tracks it)."""
-    try:
-        os.unlink(f"/dev/shm/{segment.name}")
-    except FileNotFoundError:
-        pass
+    unlink_name(segment.name)
 
 
 def unlink_all(tag: str) -> list[str]:
     """Remove every segment a server's workers left behind. Returns their names."""
-    left = glob.glob(f"/dev/shm/{PREFIX}{tag}_*")
+    left = glob.glob(os.path.join(SHM_DIR, f"{PREFIX}{tag}_*"))
     for path in left:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        _remove(path)
     return [os.path.basename(p) for p in left]
+
+
+def unlink_name(name: str) -> None:
+    _remove(os.path.join(SHM_DIR, name))
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

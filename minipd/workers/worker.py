@@ -43,7 +43,7 @@ class Worker:
         if spec.kv_transport == "shm":  # peers write handed-off KV straight into this cache
 
             def storage(num_bytes):
-                name = shm.segment_name(spec.tag, f"cache{self.id}-{spec.incarnation}")
+                name = shm.cache_segment_name(spec.tag, self.id, spec.incarnation)
                 self.cache_segment = shm.create(name, num_bytes)
                 return tensor_view(self.cache_segment, [num_bytes], torch.uint8)
 
