@@ -3,8 +3,9 @@ lives in one, so that a prefill worker can write a prompt's KV straight into a d
 cache. The worker that creates a segment unlinks it; the server removes what a dead one left.
 
 Names carry a tag new at every start (the pid alone collides: in containers every server is
-pid 1). While a server runs it holds a lock on its tag's owner file; a later start removes the
-segments of tags whose owner is gone (a server that was SIGKILLed)."""
+pid 1). The main process and its workers hold shared locks on the tag's owner file: the last of
+them to go (a worker whose main process was SIGKILLed) removes what is left, and a later start
+removes the segments of any tag that nobody holds."""
 
 from __future__ import annotations
 
@@ -28,19 +29,42 @@ def cache_segment_name(tag: str, worker_id: int, incarnation: int) -> str:
 
 
 class Owner:
-    """This server's claim on its tag: a locked file beside its segments, released when it exits."""
+    """This server's claim on its tag: a file beside its segments, locked while any of its processes lives."""
 
     def __init__(self, tag: str):
         self.tag = tag
         self.path = os.path.join(SHM_DIR, segment_name(tag, OWNER))
         self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(self.fd, fcntl.LOCK_SH)
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
             _remove(self.path)
+
+
+def join_owner(tag: str) -> int | None:
+    """A worker shares its server's claim (None where the server made none)."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, segment_name(tag, OWNER)), os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def leave_owner(fd: int | None, tag: str) -> None:
+    """A worker leaves; if it was the last of its server's processes, nothing of the tag stays."""
+    if fd is None:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        unlink_all(tag)
+    except BlockingIOError:
+        pass  # the main process (or another worker) is still there and cleans up
+    finally:
+        os.close(fd)
 
 
 def remove_orphans() -> list[str]:

@@ -40,6 +40,7 @@ class Worker:
         self.parent = os.getppid()
         self.cache_segment = None
         storage = None
+        self.shm_owner = shm.join_owner(spec.tag) if spec.kv_transport == "shm" else None
         if spec.kv_transport == "shm":  # peers write handed-off KV straight into this cache
 
             def storage(num_bytes):
@@ -144,6 +145,8 @@ class Worker:
         self.ctx.destroy(linger=0)
         if self.cache_segment is not None:
             shm.unlink(self.cache_segment)
+        shm.leave_owner(self.shm_owner, self.spec.tag)
+        self.shm_owner = None
 
     @staticmethod
     def _drain(sock, handler) -> None:
