@@ -26,8 +26,17 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port")
-    g.add_argument("--api-key", default=os.environ.get("MINIPD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 and /admin (env MINIPD_API_KEY)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIPD_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: none; env MINIPD_API_KEY)",
+    )
+    g.add_argument("--allowed-origins", type=_name_list, default=[],
+                   help="web pages (origins, e.g. http://localhost:3000; '*' for any) that may use /v1 from a "
+                        "browser; pages from other origins may not change the server in any case (default: none)")
+    g.add_argument("--allowed-hosts", type=_name_list, default=[],
+                   help="Host header names accepted besides this machine's own (bound to loopback, others are "
+                        "refused against DNS rebinding; '*': any) (default: none)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     g.add_argument("--default-max-tokens", type=int, default=1024,
                    help="chat requests without max_tokens get this many at most (completions: 16, as OpenAI)")
@@ -47,7 +56,9 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--decode-workers", type=int, default=1, help="disagg: workers that write replies (D of xPyD)")
     g.add_argument("--kv-transport", default=None, choices=["shm", "cuda-ipc", "tcp"],
                    help="how KV moves between workers (default: shm on cpu, cuda-ipc on cuda)")
-    g.add_argument("--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s")
+    g.add_argument(
+        "--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s (default: unpaced)"
+    )
     g.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
     g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="disagg: seconds from a prompt's first token until its KV is in the decode worker; "
@@ -70,19 +81,48 @@ def add_serve_parser(sub, add_engine_args) -> None:
     s.set_defaults(func=run)
 
 
+def _name_list(text: str) -> list[str]:
+    """'a,b' or vLLM's JSON form '["a", "b"]'."""
+    import json
+
+    if text.strip().startswith("["):
+        try:
+            names = json.loads(text)
+        except json.JSONDecodeError:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {text}") from None
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise argparse.ArgumentTypeError(f"not a list of strings: {text}")
+        return names
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
 def worker_configs(args) -> list[dict]:
     base = {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
             "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs,
             "chunk_tokens": args.chunk_tokens, "quantization": args.quantization, "prepack": args.prepack}  # fmt: skip
     if args.device == "cuda":
-        gpus = [int(g) for g in args.gpus.split(",")] if args.gpus else list(range(_cuda_device_count()))
-        if not gpus:
-            raise UserError("--device cuda: no GPU is visible")
-        return [{**base, "device": f"cuda:{g}", "threads": 1} for g in gpus]
+        return [{**base, "device": f"cuda:{g}", "threads": 1} for g in _gpus(args.gpus)]
     if args.workers < 1:
         raise UserError("--workers must be >= 1")
     threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
     return [{**base, "device": "cpu", "threads": threads} for _ in range(args.workers)]
+
+
+def _gpus(text: str | None) -> list[int]:
+    """--gpus as indices of visible GPUs (None: all of them)."""
+    visible = _cuda_device_count()
+    if not visible:
+        raise UserError("--device cuda: no GPU is visible")
+    if text is None:
+        return list(range(visible))
+    try:
+        gpus = [int(g) for g in text.split(",")]
+    except ValueError:
+        raise UserError(f"--gpus takes comma-separated GPU indices, got {text!r}") from None
+    for g in gpus:
+        if not 0 <= g < visible:
+            raise UserError(f"--gpus: GPU {g} is not among the {visible} visible (0..{visible - 1})")
+    return gpus
 
 
 def _cuda_device_count() -> int:
@@ -105,6 +145,8 @@ def preflight(args) -> tuple[list[dict], object]:
     if (args.kv_transport, args.device) in (("shm", "cuda"), ("cuda-ipc", "cpu")):
         raise UserError(f"--kv-transport {args.kv_transport} does not work with --device {args.device}; "
                         "use shm on cpu, cuda-ipc on cuda, or tcp on either")  # fmt: skip
+    if args.quantization == "int8" and args.device != "cpu":
+        raise UserError(f"--quantization int8 runs on cpu only (its int8 matmul is untested on --device {args.device})")
     if (args.kv_link_gbps is not None or args.kv_link_latency_ms) and args.kv_transport != "tcp":
         raise UserError("--kv-link-gbps and --kv-link-latency-ms emulate a network link: they need --kv-transport tcp")
     try:
@@ -147,6 +189,7 @@ def check_shared_memory(kv_bytes_per_token: int, args, num_workers: int) -> None
 async def serve(args, configs: list[dict], mode) -> None:
     from minipd.models.files import model_config, served_name
     from minipd.server.app import Api
+    from minipd.server.browser_guard import BrowserGuard
     from minipd.server.metrics import Metrics
     from minipd.server.router import Limits, Router
     from minipd.server.supervisor import Supervisor
@@ -157,6 +200,10 @@ async def serve(args, configs: list[dict], mode) -> None:
     mcfg = model_config(args.model, convert_here=False)  # converts a GGUF once, in a child process
     dtype_bytes = 4 if args.dtype == "float32" else 2
     check_shared_memory(mcfg.kv_bytes_per_token(dtype_bytes), args, len(configs))
+    if args.device == "cpu":  # once, here, before the workers: none of them builds or waits on a lock
+        from minipd.models.kernel_build import build_in_child
+
+        log.info("%s", build_in_child(timeout=240.0))
     tokenizer = load_tokenizer(args.model, convert_here=False)
     max_model_len = min(mcfg.max_position, args.kv_cache_tokens)
     name = served_name(args.model)
@@ -167,9 +214,10 @@ async def serve(args, configs: list[dict], mode) -> None:
                       args.kv_transfer_timeout, args.seat_timeout)  # fmt: skip
     limits = Limits(args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout, args.request_timeout,
                     args.decode_headroom_tokens)  # fmt: skip
-    router = Router(pool, tokenizer, Metrics(name, len(configs)), limits, kv_transport=args.kv_transport)
+    router = Router(pool, tokenizer, Metrics(name, len(configs)), limits, kv_transport=args.kv_transport, target=mode)
     supervisor = Supervisor(router, pool, args.worker_timeout, args.max_worker_restarts)
-    api = Api(router, name, max_model_len, args.default_max_tokens, args.api_key, args.kv_transport)
+    guard = BrowserGuard(args.host, args.allowed_origins, args.allowed_hosts)
+    api = Api(router, name, max_model_len, args.default_max_tokens, args.api_key, args.kv_transport, guard)
 
     from aiohttp import web
 
@@ -191,6 +239,8 @@ async def serve(args, configs: list[dict], mode) -> None:
     def route(msg) -> None:
         if isinstance(msg, m.Ready):
             supervisor.on_ready(msg)
+        elif isinstance(msg, m.Heartbeat):
+            supervisor.on_heartbeat(msg)
         else:
             router.on_message(msg)
 
