@@ -1,10 +1,56 @@
-"""Pieces of the main process, without processes: token order, who holds a request."""
+"""Pieces of the main process, without processes: token order, who holds a request, lost tokens."""
+
+import asyncio
+import time
+from unittest import mock
+
+import pytest
 
 from minipd.sampling_params import SamplingParams
 from minipd.server.metrics import Metrics
 from minipd.server.relay import Relay
 from minipd.server.request_state import Placement, RequestState
+from minipd.server.router import Router
+from minipd.server.worker_pool import WorkerHandle
 from minipd.workers import messages as m
+
+
+class FakePool:
+    """Workers that are up and take every message; what was sent to them is kept in `sent`."""
+
+    def __init__(self, roles: list[str], num_blocks: int = 64, block_size: int = 16):
+        self.workers = [WorkerHandle(i, {}, "cpu", role=role, state="up",
+                                     info=m.Ready(i, 0, 0, "cpu", "", num_blocks, block_size, 1))
+                        for i, role in enumerate(roles)]  # fmt: skip
+        self.sent: list[tuple[int, object]] = []
+        self.spec_defaults = {"seat_timeout": 300.0}
+
+    def send(self, worker_id: int, msg) -> bool:
+        self.sent.append((worker_id, msg))
+        return True
+
+    def with_role(self, role: str) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.alive and w.role == role]
+
+    def peers(self) -> dict:
+        return {}
+
+    def taken(self, kind: type) -> list[tuple[int, object]]:
+        """The messages of a kind sent since the last call."""
+        out = [(w, msg) for w, msg in self.sent if isinstance(msg, kind)]
+        self.sent = [x for x in self.sent if not isinstance(x[1], kind)]
+        return out
+
+
+def serving_router(pool: FakePool) -> Router:
+    router = Router(pool, None, Metrics("m"))
+    router.serving.set()
+    router.ready = True
+    return router
+
+
+async def placed(router: Router) -> None:
+    await asyncio.wait_for(asyncio.gather(*router.tasks), timeout=5)
 
 
 def test_tokens_from_two_workers_are_relayed_in_order():
@@ -29,3 +75,32 @@ def test_a_prefill_worker_stops_holding_a_request_once_its_kv_arrived():
     p.kv_arrived = True
     assert p.holders == {1}  # its death no longer redoes a request that decodes happily elsewhere
     assert Placement("r.1", worker=0, reader=1).holders == {1}  # not dispatched: only the seat is held
+
+
+@pytest.mark.asyncio
+async def test_a_lost_token_message_redoes_the_request_instead_of_stalling_it():
+    """Defect: a Tokens message lost on its way from a worker left the later ones waiting in the relay,
+    and the client's stream silent, until the request timeout (10 minutes)."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=3))
+    await placed(router)
+    [(first, _)] = pool.taken(m.AddRequest)
+    router.on_message(m.Tokens("r.1", first, [10], 1.0, index=0))
+    router.on_message(m.Tokens("r.1", first, [30], 3.0, index=2))  # index 1 never comes
+    with mock.patch("time.monotonic", return_value=time.monotonic() + 0.5):
+        router.check_deadlines()
+    assert not state.redos and not pool.taken(m.Abort)  # a gap as short as this is reordering, not loss
+    with mock.patch("time.monotonic", return_value=time.monotonic() + 30):
+        router.check_deadlines()
+    assert len(state.redos) == 1 and "lost" in state.redos[0]["cause"]
+    assert [(w, a.key) for w, a in pool.taken(m.Abort)] == [(first, "r.1")]
+    await placed(router)
+    [(again, add)] = pool.taken(m.AddRequest)
+    assert add.key == "r.2" and add.output_token_ids == [10]  # only what the client has
+    router.on_message(m.Tokens("r.1", first, [20], 2.0, index=1))  # the old attempt's late word: ignored
+    router.on_message(m.Tokens("r.2", again, [21], 4.0, index=1))
+    router.on_message(m.Tokens("r.2", again, [31], 5.0, finished=True, finish_reason="length", index=2))
+    assert state.finished and state.finish_reason == "length" and state.output_token_ids == [10, 21, 31]
+    deltas = [state.deltas.get_nowait() for _ in range(state.deltas.qsize())]
+    assert sum(d.num_tokens for d in deltas) == 3 and deltas[-1].finish_reason == "length"

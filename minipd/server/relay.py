@@ -3,6 +3,8 @@ their timing, and the latency metrics they feed."""
 
 from __future__ import annotations
 
+import time
+
 from minipd.server.metrics import Metrics
 from minipd.server.request_state import Delta, RequestState
 from minipd.workers import messages as m
@@ -16,7 +18,8 @@ class Relay:
     @staticmethod
     def in_order(state: RequestState, msg: m.Tokens) -> list[m.Tokens]:
         """The Tokens messages that can be relayed now, in order: one that arrives before the ones
-        before it waits; one already relayed (an attempt's duplicate) is dropped."""
+        before it waits (state.gap_since says since when the first one missing is awaited); one
+        already relayed (an attempt's duplicate) is dropped."""
         have = len(state.output_token_ids)
         if msg.index < have:
             return []
@@ -25,6 +28,10 @@ class Relay:
         while have in state.early:
             ready.append(state.early.pop(have))
             have += len(ready[-1].token_ids)
+        if not state.early:
+            state.gap_since = None
+        elif ready or state.gap_since is None:
+            state.gap_since = time.monotonic()
         return ready
 
     def tokens(self, state: RequestState, msg: m.Tokens) -> tuple[str | None, str]:

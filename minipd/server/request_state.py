@@ -59,6 +59,7 @@ class RequestState:
     kv_bytes: int = 0
     kv_seconds: float | None = None
     early: dict = field(default_factory=dict)  # index -> Tokens that arrived before the ones before them
+    gap_since: float | None = None  # time.monotonic() since when `early` waits for the tokens it lacks
 
     def new_key(self) -> str:
         self.attempt += 1

@@ -1,6 +1,7 @@
 """The router: the table of requests in flight. It admits them, hands them to the dispatcher,
 turns what the workers say into what the clients see, ends them, and redoes a request whose
-worker died. It raises the server's own errors (server/errors.py), never HTTP ones."""
+worker died or whose tokens were lost on the way. It raises the server's own errors
+(server/errors.py), never HTTP ones."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class Limits:
     request_timeout: float = 600.0
     decode_headroom_tokens: int = 512
     max_redos: int = 3
+    token_gap_timeout: float = 2.0  # later tokens arrived, an earlier one did not: lost past this, and redone
 
 
 class Router:
@@ -278,6 +280,7 @@ class Router:
             return
         self.release_holders(state)
         state.early.clear()  # tokens of the old attempt that were waiting for their turn
+        state.gap_since = None
         if len(state.redos) >= self.limits.max_redos:
             self.fail(state, f"{cause}; the request was redone {len(state.redos)} times already")
             return
@@ -289,7 +292,7 @@ class Router:
     # ---- deadlines -----------------------------------------------------------------------------
     def check_deadlines(self) -> None:
         now = time.monotonic()
-        lease = self.limits.kv_transfer_timeout
+        lease, gap = self.limits.kv_transfer_timeout, self.limits.token_gap_timeout
         for state in list(self.requests.values()):
             p = state.placement
             if now > state.deadline:
@@ -297,6 +300,9 @@ class Router:
                                  "(--request-timeout)")  # fmt: skip
             elif p is not None and p.first_token_at and not p.kv_arrived and now - p.first_token_at > lease:
                 self.fail(state, f"the KV handoff did not finish within {lease:g} s")
+            elif state.gap_since is not None and now - state.gap_since > gap:
+                self.redo(state, f"output tokens from index {len(state.output_token_ids)} were lost on their way "
+                                 f"from a worker (later ones waited for them over {gap:g} s)")  # fmt: skip
 
     # ---- modes -----------------------------------------------------------------------------------
     async def set_mode(self, mode: Mode) -> None:
