@@ -322,3 +322,41 @@ def test_an_api_key_guards_v1_and_admin_but_not_health_metrics_or_the_page():
             assert http("GET", s.url + path)[0] == 200, path
         assert s.post("/v1/completions", {"prompt": [1, 2], "max_tokens": 2})[0] == 200  # with the key
         assert s.get("/admin/mode")[1] == {"mode": "colocated"}
+
+
+@pytest.mark.asyncio
+async def test_other_streams_do_not_stall_while_huge_prompts_are_refused(server):
+    """Defect: a 4 MB prompt was tokenized on the event loop: 7.1 s before its 400, and every
+    other stream stopped for those 7.1 s."""
+    import aiohttp
+
+    huge = "lorem ipsum dolor sit amet " * 160_000  # 4.3 MB: refused before it is tokenized
+    long_ = "the quick brown fox jumps over the lazy dog " * 8_000  # 350 kB: tokenized off the loop, too long
+    times, statuses = [], []
+    async with aiohttp.ClientSession() as session:
+
+        async def stream():
+            body = {"prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
+            async with session.post(server.url + "/v1/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        times.append(time.monotonic())
+
+        async def hostile():
+            while len(times) < 20:
+                await asyncio.sleep(0.01)
+            for path, body in [("/v1/completions", {"prompt": huge}), ("/v1/completions", {"prompt": long_}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": long_}]})]:  # fmt: skip
+                started = time.monotonic()
+                async with session.post(server.url + path, json=body) as resp:
+                    statuses.append((resp.status, time.monotonic() - started))
+            return time.monotonic()
+
+        streaming = asyncio.create_task(stream())
+        hostile_from = time.monotonic()
+        hostile_until = await hostile()
+        await streaming
+    assert [s for s, _ in statuses] == [400] * 4 and all(t < 2.0 for _, t in statuses), statuses
+    during = [b - a for a, b in zip(times, times[1:]) if hostile_from <= b and a <= hostile_until]
+    assert during and max(during) < 0.5, max(during)
