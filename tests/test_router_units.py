@@ -8,6 +8,7 @@ import pytest
 
 from minipd.sampling_params import SamplingParams
 from minipd.server.metrics import Metrics
+from minipd.server.modes import Mode
 from minipd.server.relay import Relay
 from minipd.server.request_state import Placement, RequestState
 from minipd.server.router import Router
@@ -51,6 +52,13 @@ def serving_router(pool: FakePool) -> Router:
 
 async def placed(router: Router) -> None:
     await asyncio.wait_for(asyncio.gather(*router.tasks), timeout=5)
+
+
+async def sent(pool: FakePool, kind: type) -> list[tuple[int, object]]:
+    """The messages of a kind sent once the tasks under way have gone as far as they can."""
+    for _ in range(100):
+        await asyncio.sleep(0)
+    return pool.taken(kind)
 
 
 def test_tokens_from_two_workers_are_relayed_in_order():
@@ -104,3 +112,41 @@ async def test_a_lost_token_message_redoes_the_request_instead_of_stalling_it():
     assert state.finished and state.finish_reason == "length" and state.output_token_ids == [10, 21, 31]
     deltas = [state.deltas.get_nowait() for _ in range(state.deltas.qsize())]
     assert sum(d.num_tokens for d in deltas) == 3 and deltas[-1].finish_reason == "length"
+
+
+@pytest.mark.asyncio
+async def test_a_seat_refused_by_an_error_does_not_leave_the_decode_worker_out():
+    """Defect: a decode worker that could not seat one request (a RequestError, then None for it in
+    SeatsReserved) was taken as full, and, idle, was asked for no seat again until the next switch."""
+    pool = FakePool(["prefill", "decode"])
+    router = serving_router(pool)
+    router.mode = Mode("disagg")
+    bad = router.submit("bad", [1, 2], SamplingParams(max_tokens=3))
+    [(decoder, ask)] = await sent(pool, m.ReserveSeats)
+    router.on_message(m.RequestError("bad.1", decoder, "a seat for 'bad.1' already exists"))
+    router.on_message(m.SeatsReserved(ask.batch, decoder, [["bad.1", None]]))
+    assert bad.finished and bad.finish_reason == "error"
+    good = router.submit("good", [1, 2], SamplingParams(max_tokens=3))
+    [(w, ask)] = await sent(pool, m.ReserveSeats)  # at once: the worker's room was never in question
+    assert w == decoder and [seat[0] for seat in ask.seats] == ["good.1"]
+    router.on_message(m.SeatsReserved(ask.batch, decoder, [["good.1", [0]]]))
+    [(_, add)] = await sent(pool, m.AddRequest)
+    assert add.key == "good.1" and add.reader == decoder and add.seat == [0] and not good.finished
+
+
+@pytest.mark.asyncio
+async def test_a_seat_refused_for_room_waits_for_the_decode_worker_to_have_more():
+    pool = FakePool(["prefill", "decode"])
+    router = serving_router(pool)
+    router.mode = Mode("disagg")
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=3))
+    [(decoder, ask)] = await sent(pool, m.ReserveSeats)
+    stats = m.WorkerStats(decoder, "decode", 3, 0, 60, 0, 4, 64, 0, {})
+    router.on_message(stats)
+    router.on_message(m.SeatsReserved(ask.batch, decoder, [["r.1", None]]))
+    assert not await sent(pool, m.ReserveSeats) and not state.finished  # full: not asked again ...
+    router.on_message(stats)
+    assert not await sent(pool, m.ReserveSeats)
+    router.on_message(m.WorkerStats(decoder, "decode", 2, 0, 40, 0, 4, 64, 0, {}))
+    [(w, ask)] = await sent(pool, m.ReserveSeats)  # ... until it has more room than when it refused
+    assert w == decoder and [seat[0] for seat in ask.seats] == ["r.1"]

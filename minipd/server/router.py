@@ -171,7 +171,9 @@ class Router:
             log.warning("ignored an unexpected %s from a worker", type(msg).__name__)
 
     def _on_request_message(self, msg) -> None:
-        if isinstance(msg, m.Event):
+        if isinstance(msg, m.RequestError):
+            self.seats.on_error(msg.worker_id, msg.key)
+        elif isinstance(msg, m.Event):
             self.events.publish({"type": "request", "kind": msg.kind, "request_id": msg.key.rpartition(".")[0],
                                  "key": msg.key, "worker": msg.worker_id, "time": msg.time, **msg.data})  # fmt: skip
             self._count_handoff(msg)

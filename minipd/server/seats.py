@@ -1,7 +1,9 @@
 """Decode seats for disaggregated requests (backpressure: nothing is prefilled before its seat
 exists). Requests wait first come, first seated; seats are asked for in batches, one batch in
 flight per decode worker, so one round trip to a busy decode worker seats every waiting request
-that fits, instead of one per decode step."""
+that fits, instead of one per decode step. A seat a worker refuses is either "no room now" (the
+request waits, and the worker is not asked again until it has more room) or "this request cannot
+be seated" (its RequestError ends that request alone)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class Want:
     headroom: int  # tokens booked for the reply's growth
     writer: int  # the prefill worker that will write into the seat
     future: asyncio.Future  # -> (decode worker, block ids), or None: ask again later
+    unseatable: bool = False  # the worker could not seat this request: an error for it, not a lack of room
 
     def wanted(self) -> bool:
         s = self.state
@@ -89,8 +92,11 @@ class SeatBroker:
         del self.in_flight[msg.worker_id]
         refused = []
         for want, (key, blocks) in zip(entry[1], msg.results):
-            if blocks is None:
-                refused.append(want)
+            if blocks is None and not want.unseatable:
+                refused.append(want)  # no room now
+            elif blocks is None:
+                if not want.future.done():
+                    want.future.set_result(None)  # its error ends it
             elif want.wanted():
                 self.seats_granted += 1
                 want.future.set_result((msg.worker_id, blocks))
@@ -103,6 +109,14 @@ class SeatBroker:
             self.full[msg.worker_id] = _available(w)
             self.queue.extendleft(reversed(refused))
         self.pump()
+
+    def on_error(self, worker_id: int, key: str) -> None:
+        """The worker could not seat this request. It says so before its SeatsReserved, where the
+        request's None is then about the request, not about the worker's room."""
+        entry = self.in_flight.get(worker_id)
+        for want in entry[1] if entry else ():
+            if want.key == key:
+                want.unseatable = True
 
     def on_worker_change(self, worker_id: int) -> None:
         """New stats from a worker: a decode worker that refused may have room again."""
