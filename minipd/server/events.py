@@ -1,22 +1,32 @@
 """What happens inside the server, as it happens: every engine step of every worker, KV
-transfers, seats, mode switches, worker deaths. Kept in a ring buffer and fanned out to
-subscribers (GET /admin/events streams it as server-sent events)."""
+transfers, seats, mode switches, worker deaths. The newest are kept, up to a size in bytes
+(as JSON), for replay, and fanned out to subscribers (GET /admin/events streams them as
+server-sent events)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import deque
 
 SUBSCRIBER_BACKLOG = 20000
+MAX_BYTES = 32 * 2**20
 
 
 class EventLog:
-    def __init__(self, size: int = 50000):
-        self.buffer: deque[dict] = deque(maxlen=size)
+    def __init__(self, max_bytes: int = MAX_BYTES):
+        """max_bytes: the kept events' size as JSON (Python holds them in 2 to 4 times that)."""
+        self.max_bytes = max_bytes
+        self.buffer: deque[tuple[dict, int]] = deque()  # (event, its size as JSON), oldest first
+        self.bytes = 0
         self.subscribers: set[asyncio.Queue] = set()
 
     def publish(self, event: dict) -> None:
-        self.buffer.append(event)
+        size = len(json.dumps(event, default=str))
+        self.buffer.append((event, size))
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self.bytes -= self.buffer.popleft()[1]
         for q in list(self.subscribers):
             try:
                 q.put_nowait(event)
@@ -41,4 +51,4 @@ class EventLog:
         self.subscribers.discard(q)
 
     def since(self, t: float) -> list[dict]:
-        return [e for e in self.buffer if e.get("time", 0.0) >= t]
+        return [e for e, _ in self.buffer if e.get("time", 0.0) >= t]
