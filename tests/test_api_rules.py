@@ -207,3 +207,9 @@ async def test_message_lists_are_bounded(tokenizer):
             "response_format": {"type": "text"},
         }
         assert (await client.post("/v1/chat/completions", json=ok)).status == 503  # valid: no worker to run it
+
+
+async def test_a_body_nested_too_deeply_is_a_400_not_a_500():
+    async with api_client() as client:
+        resp = await client.post("/v1/completions", data="[" * 200_000, headers={"Content-Type": "application/json"})
+        assert resp.status == 400 and "JSON" in (await error_of(resp))["message"]

@@ -384,8 +384,8 @@ class Api:
                            f"(got {request.content_type!r})", 415)  # fmt: skip
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError("the request body is not valid JSON") from None
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ApiError("the request body is not valid JSON (or nests too deeply)") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
         return body
