@@ -51,6 +51,9 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="how prefill and decode share the workers (switch at run time: POST /admin/mode)")
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked: token budget per step: every running decode, then prompt chunks with the rest (at least a quarter)")
+    g.add_argument("--switch-drain-timeout", type=float, default=600.0,
+                   help="seconds a run-time mode switch waits for the running requests to finish (new ones wait "
+                        "meanwhile); past it the switch is given up with a 503 and they go on in the old mode")
     g = s.add_argument_group("disagg and KV transfer")
     g.add_argument("--prefill-workers", type=int, default=1, help="disagg: workers that read prompts (P of xPyD)")
     g.add_argument("--decode-workers", type=int, default=1, help="disagg: workers that write replies (D of xPyD)")
@@ -191,7 +194,6 @@ async def serve(args, configs: list[dict], mode) -> None:
     from minipd.server.app import Api
     from minipd.server.browser_guard import BrowserGuard
     from minipd.server.metrics import Metrics
-    from minipd.server.router import Limits, Router
     from minipd.server.supervisor import Supervisor
     from minipd.server.worker_pool import WorkerPool
     from minipd.tokenizer import load_tokenizer
@@ -212,9 +214,7 @@ async def serve(args, configs: list[dict], mode) -> None:
                     "and switch modes", args.host)  # fmt: skip
     pool = WorkerPool(configs, args.kv_transport, args.kv_link_gbps, args.kv_link_latency_ms,
                       args.kv_transfer_timeout, args.seat_timeout)  # fmt: skip
-    limits = Limits(args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout, args.request_timeout,
-                    args.decode_headroom_tokens)  # fmt: skip
-    router = Router(pool, tokenizer, Metrics(name, len(configs)), limits, kv_transport=args.kv_transport, target=mode)
+    router = build_router(args, pool, tokenizer, Metrics(name, len(configs)), mode)
     supervisor = Supervisor(router, pool, args.worker_timeout, args.max_worker_restarts)
     guard = BrowserGuard(args.host, args.allowed_origins, args.allowed_hosts)
     api = Api(router, name, max_model_len, args.default_max_tokens, args.api_key, args.kv_transport, guard)
@@ -280,6 +280,15 @@ async def serve(args, configs: list[dict], mode) -> None:
             t.cancel()
         await runner.cleanup()
         await pool.stop()
+
+
+def build_router(args, pool, tokenizer, metrics, mode):
+    from minipd.server.router import Limits, Router
+
+    limits = Limits(args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout, args.request_timeout,
+                    args.decode_headroom_tokens)  # fmt: skip
+    return Router(pool, tokenizer, metrics, limits, switch_drain_timeout=args.switch_drain_timeout,
+                  kv_transport=args.kv_transport, target=mode)  # fmt: skip
 
 
 def _guard(task: asyncio.Task, router, what: str) -> asyncio.Task:

@@ -107,7 +107,8 @@ class ModeSwitcher:
         deadline = loop.time() + self.drain_timeout
         while r.placing or any(s.holders for s in r.requests.values()):
             if loop.time() > deadline:
-                raise Unavailable(f"could not drain the running requests within {self.drain_timeout:g} s")
+                raise Unavailable(f"the mode switch was given up: the running requests did not finish within "
+                                  f"{self.drain_timeout:g} s (--switch-drain-timeout); they go on in the old mode")  # fmt: skip
             await asyncio.sleep(0.01)
 
     async def _set_roles(self, mode: Mode, roles: list[str]) -> list[str]:

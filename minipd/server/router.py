@@ -41,7 +41,7 @@ class Limits:
 
 class Router:
     def __init__(self, pool: WorkerPool, tokenizer, metrics: Metrics, limits: Limits | None = None,
-                 events: EventLog | None = None, drain_timeout: float = 600.0, kv_transport: str = "shm",
+                 events: EventLog | None = None, switch_drain_timeout: float = 600.0, kv_transport: str = "shm",
                  target: Mode | None = None):  # fmt: skip
         self.pool = pool
         self.kv_transport = kv_transport
@@ -57,7 +57,7 @@ class Router:
         self.relay = Relay(metrics, kv_transport)
         self.seats = SeatBroker(pool, self.load, self._give_back_seat)
         self.dispatcher = Dispatcher(self, self.limits.decode_headroom_tokens)
-        self.switcher = ModeSwitcher(self, drain_timeout)
+        self.switcher = ModeSwitcher(self, switch_drain_timeout)
         self.serving = asyncio.Event()  # cleared while the mode switches
         self.workers_changed = asyncio.Event()
         self.accepting = True
