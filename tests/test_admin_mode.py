@@ -4,6 +4,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from minipd.server.app import Api
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode
@@ -50,18 +52,16 @@ async def switch_and_report(router: Router, api: Api, mode: Mode) -> dict:
     return during
 
 
-def test_a_server_starting_into_disagg_reports_disagg_until_it_serves_it():
-    async def go():
-        mode = Mode("disagg", 1, 1)
-        router = Router(Pool(), None, Metrics("m"), target=mode)  # as `minipd serve --mode disagg` makes it
-        api = Api(router, "m", 128)
-        assert await reported(api) == {**DISAGG, "starting": True}  # the workers are still loading
-        assert await switch_and_report(router, api, mode) == {**DISAGG, "starting": True}
-        router.ready = True
-        assert await reported(api) == DISAGG
-        during = await switch_and_report(router, api, Mode("chunked", chunk_tokens=64))
-        assert during == {**DISAGG, "switching_to": {"mode": "chunked", "chunk_tokens": 64}}
-        assert await reported(api) == {"mode": "chunked", "chunk_tokens": 64}
-        assert [w.role for w in router.pool.workers] == ["both", "both"]
-
-    asyncio.run(go())
+@pytest.mark.asyncio
+async def test_a_server_starting_into_disagg_reports_disagg_until_it_serves_it():
+    mode = Mode("disagg", 1, 1)
+    router = Router(Pool(), None, Metrics("m"), target=mode)  # as `minipd serve --mode disagg` makes it
+    api = Api(router, "m", 128)
+    assert await reported(api) == {**DISAGG, "starting": True}  # the workers are still loading
+    assert await switch_and_report(router, api, mode) == {**DISAGG, "starting": True}
+    router.ready = True
+    assert await reported(api) == DISAGG
+    during = await switch_and_report(router, api, Mode("chunked", chunk_tokens=64))
+    assert during == {**DISAGG, "switching_to": {"mode": "chunked", "chunk_tokens": 64}}
+    assert await reported(api) == {"mode": "chunked", "chunk_tokens": 64}
+    assert [w.role for w in router.pool.workers] == ["both", "both"]

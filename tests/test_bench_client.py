@@ -89,20 +89,18 @@ def test_completions_url():
     assert completions_url("http://h:1/v1/") == "http://h:1/v1/completions"
 
 
-def test_tokens_timings_errors_and_payload():
+@pytest.mark.asyncio
+async def test_tokens_timings_errors_and_payload():
     reqs = [req(0, 10, 5), req(1, NO_TIMELINE, 4), req(2, HTTP_500, 4), req(3, SSE_ERROR, 6),
             req(4, NO_DONE, 6), req(5, MULTI_TOKEN, 6)]  # fmt: skip
     standin = StandIn()
 
-    async def main():
-        runner, url = await serve(standin)
-        try:
-            return await run_load(url, "m", reqs, api_key="k", progress=False, seed=5)
-        finally:
-            await runner.cleanup()
-
     t0 = time.time()
-    recs = asyncio.run(main())
+    runner, url = await serve(standin)
+    try:
+        recs = await run_load(url, "m", reqs, api_key="k", progress=False, seed=5)
+    finally:
+        await runner.cleanup()
     assert [r.index for r in recs] == list(range(6))
     ok, no_tl, http500, sse, no_done, multi = recs
 
@@ -132,7 +130,8 @@ def test_tokens_timings_errors_and_payload():
     assert s["kv_transfer_count"] == 2
 
 
-def test_arrival_times_and_max_concurrency():
+@pytest.mark.asyncio
+async def test_arrival_times_and_max_concurrency():
     standin = StandIn()
 
     async def main(reqs, **kw):
@@ -142,43 +141,39 @@ def test_arrival_times_and_max_concurrency():
         finally:
             await runner.cleanup()
 
-    recs = asyncio.run(main([req(0, 10, 2, 0.0), req(1, 10, 2, 0.3), req(2, 10, 2, 0.6)]))
+    recs = await main([req(0, 10, 2, 0.0), req(1, 10, 2, 0.3), req(2, 10, 2, 0.6)])
     offsets = [r.send_time - recs[0].send_time for r in recs]
     assert offsets == pytest.approx([0.0, 0.3, 0.6], abs=0.08)
 
     standin.max_in_flight = 0
-    recs = asyncio.run(main([req(i, 10, 3) for i in range(4)], max_concurrency=1))
+    recs = await main([req(i, 10, 3) for i in range(4)], max_concurrency=1)
     assert all(r.ok for r in recs) and standin.max_in_flight == 1
     order = sorted(recs, key=lambda r: r.send_time)
     assert all(b.send_time >= a.end_time - 0.01 for a, b in zip(order, order[1:]))
 
 
-def test_connection_error_is_recorded():
-    async def main():
-        runner, url = await serve(StandIn())
-        await runner.cleanup()  # nothing listens there any more
-        return await run_load(url, "m", [req(0, 10, 3)], progress=False, timeout=5)
-
-    (r,) = asyncio.run(main())
+@pytest.mark.asyncio
+async def test_connection_error_is_recorded():
+    runner, url = await serve(StandIn())
+    await runner.cleanup()  # nothing listens there any more
+    (r,) = await run_load(url, "m", [req(0, 10, 3)], progress=False, timeout=5)
     assert not r.ok and r.error and r.output_tokens == 0
 
 
-def test_cancellation_returns_partial_records():
+@pytest.mark.asyncio
+async def test_cancellation_returns_partial_records():
     standin = StandIn()
     reqs = [req(0, 10, 2), req(1, 10, 2), req(2, 10, 100), req(3, 10, 2, arrival=30.0)]
 
-    async def main():
-        runner, url = await serve(standin)
-        try:
-            task = asyncio.ensure_future(run_load(url, "m", reqs, progress=False))
-            await asyncio.sleep(0.5)
-            task.cancel()
-            return await task
-        finally:
-            await runner.cleanup()
-
     t0 = time.time()
-    recs = asyncio.run(main())
+    runner, url = await serve(standin)
+    try:
+        task = asyncio.ensure_future(run_load(url, "m", reqs, progress=False))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        recs = await task
+    finally:
+        await runner.cleanup()
     assert time.time() - t0 < 5
     assert [r.index for r in recs] == [0, 1, 2]  # request 3 was never sent
     assert recs[0].ok and recs[1].ok and recs[0].output_tokens == 2

@@ -2,7 +2,6 @@
 every token a client received was made by a step the server reported, and in colocated mode a
 reply's longest wait is the step that read the long document."""
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -23,10 +22,11 @@ def steps_of(scene):
 
 @pytest.mark.parametrize("mode", [{"mode": "colocated", "workers": 1},
                                   {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}])  # fmt: skip
-def test_every_token_lies_in_a_step_of_the_worker_that_made_it(mode):
+@pytest.mark.asyncio
+async def test_every_token_lies_in_a_step_of_the_worker_that_made_it(mode):
     with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1",
                  env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:  # fmt: skip
-        scene = asyncio.run(play(s.url, mode, 1, streams=3, stream_tokens=40, document=DOC))
+        scene = await play(s.url, mode, 1, streams=3, stream_tokens=40, document=DOC)
         steps = steps_of(scene)
         for stream in (*scene.streams, scene.long):
             t = stream.timeline
@@ -41,11 +41,12 @@ def test_every_token_lies_in_a_step_of_the_worker_that_made_it(mode):
             assert stream.token_times[0] >= t["token_times"][0] and stream.token_times[-1] >= t["token_times"][-1]
 
 
-def test_in_colocated_the_longest_wait_is_the_long_prefill_step():
+@pytest.mark.asyncio
+async def test_in_colocated_the_longest_wait_is_the_long_prefill_step():
     with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1",
                  env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:  # fmt: skip
-        scene = asyncio.run(play(s.url, {"mode": "colocated", "workers": 1}, 1, streams=3, stream_tokens=60,
-                                 document=DOC * 2))  # fmt: skip
+        scene = await play(s.url, {"mode": "colocated", "workers": 1}, 1, streams=3, stream_tokens=60,
+                           document=DOC * 2)  # fmt: skip
         key = scene.long.request_id + "."
         prefill = [e for e in steps_of(scene) if any(k.startswith(key) for k in e["prefilling"])]
         assert len(prefill) == 1  # read whole, in one step

@@ -28,10 +28,11 @@ def completion(server, prompt, **kw):
     ("disagg", "tcp", "prefill"), ("disagg", "tcp", "decode"),
     ("colocated", "shm", 0),
 ])  # fmt: skip
-def test_a_worker_killed_mid_stream_is_replaced_and_its_requests_redone(mode, transport, victim):
+@pytest.mark.asyncio
+async def test_a_worker_killed_mid_stream_is_replaced_and_its_requests_redone(mode, transport, victim):
     with serving(*TINY, "--workers", "2", "--mode", mode, "--kv-transport", transport,
                  env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:  # fmt: skip
-        want = asyncio.run(stream_completions(s.url, PROMPTS, 40))
+        want = await stream_completions(s.url, PROMPTS, 40)
         assert all(r["error"] is None for r in want)
         pid = s.worker_pid(victim)
         seen = [0]
@@ -43,7 +44,7 @@ def test_a_worker_killed_mid_stream_is_replaced_and_its_requests_redone(mode, tr
                 os.kill(pid, signal.SIGKILL)
 
         started = time.monotonic()
-        got = asyncio.run(asyncio.wait_for(stream_completions(s.url, PROMPTS, 40, on_token), 60))
+        got = await asyncio.wait_for(stream_completions(s.url, PROMPTS, 40, on_token), 60)
         assert time.monotonic() - started < 30
         for g, w in zip(got, want):
             assert g["error"] is None, g["error"]  # a replacement comes: every request is redone
@@ -58,7 +59,8 @@ def test_a_worker_killed_mid_stream_is_replaced_and_its_requests_redone(mode, tr
         assert all("died" in r["cause"] for rs in redone for r in rs)
 
 
-def test_a_request_that_cannot_be_redone_ends_with_an_error_event():
+@pytest.mark.asyncio
+async def test_a_request_that_cannot_be_redone_ends_with_an_error_event():
     with serving(*TINY, "--workers", "1", "--max-worker-restarts", "0", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
         pid = s.worker_pid(0)
         seen = [0]
@@ -68,7 +70,7 @@ def test_a_request_that_cannot_be_redone_ends_with_an_error_event():
             if seen[0] == 5:
                 os.kill(pid, signal.SIGKILL)
 
-        got = asyncio.run(asyncio.wait_for(stream_completions(s.url, PROMPTS[:2], 200, on_token), 30))
+        got = await asyncio.wait_for(stream_completions(s.url, PROMPTS[:2], 200, on_token), 30)
         assert all("no both worker is alive" in g["error"] and "SIGKILL" in g["error"] for g in got)
         status, body = s.get("/health")
         assert status == 503 and body["dead_workers"] == [0]
@@ -76,11 +78,12 @@ def test_a_request_that_cannot_be_redone_ends_with_an_error_event():
         assert status == 503 and "died" in err["error"]["message"]
 
 
-def test_a_hung_worker_is_killed_and_replaced():
+@pytest.mark.asyncio
+async def test_a_hung_worker_is_killed_and_replaced():
     with serving(*TINY, "--workers", "2", "--worker-timeout", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
         pid = s.worker_pid(1)
         os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
-        got = asyncio.run(asyncio.wait_for(stream_completions(s.url, PROMPTS[:4], 30), 30))
+        got = await asyncio.wait_for(stream_completions(s.url, PROMPTS[:4], 30), 30)
         assert all(g["error"] is None for g in got)
         wait_for_health(s, "ok", timeout=30)
         assert s.worker_pid(1) != pid
@@ -128,10 +131,11 @@ def test_switching_mode_with_a_handoff_in_flight_neither_kills_nor_hangs():
         wait_for_idle_workers(s, timeout=10)
 
 
-def test_a_failing_step_ends_only_its_requests():
+@pytest.mark.asyncio
+async def test_a_failing_step_ends_only_its_requests():
     with serving(*TINY, "--workers", "1", env={"MINIPD_FAULTS": "fail_step_on_token=4242"}) as s:
         pid = s.worker_pid(0)
-        got = asyncio.run(stream_completions(s.url, [[4242, 1, 2], [7, 8, 9]], 20))
+        got = await stream_completions(s.url, [[4242, 1, 2], [7, 8, 9]], 20)
         # the two ran in one step: both end with the step's error, the worker lives on
         assert all("engine step failed" in g["error"] for g in got if g["error"]) and got[0]["error"]
         assert completion(s, [7, 8, 9], max_tokens=5)[0] == 200
@@ -149,7 +153,8 @@ def test_the_message_pump_survives_a_message_it_cannot_handle():
         assert "handling a WorkerStats" in s.output()
 
 
-def test_an_abort_inside_an_in_place_copy_keeps_the_seat_until_the_copy_is_done():
+@pytest.mark.asyncio
+async def test_an_abort_inside_an_in_place_copy_keeps_the_seat_until_the_copy_is_done():
     """Defect: the decode worker freed a seat on abort while the prefill worker was still copying
     the KV into those blocks (shm), so another request could be given blocks being overwritten."""
     with serving(*TINY, "--workers", "2", "--mode", "disagg", env={"MINIPD_FAULTS": "slow_kv_copy_s=1.0"}) as s:
@@ -166,8 +171,9 @@ def test_an_abort_inside_an_in_place_copy_keeps_the_seat_until_the_copy_is_done(
                             await asyncio.sleep(0.3)  # the first token is out: the copy runs for 1 s
                             return  # the client goes away
 
-        asyncio.run(abort_during_copy())
-        wait_for_idle_workers(s, timeout=10)
+        await abort_during_copy()
+        # off the loop: whatever the disconnect left for the loop to do runs while the server is watched
+        await asyncio.to_thread(wait_for_idle_workers, s, timeout=10)
         events = events_since(s, since)
         sent = [e for e in events if e.get("kind") == "kv_copied"]
         released = [e for e in events if e.get("kind") == "seat_released"]
@@ -207,15 +213,17 @@ def test_a_seat_whose_prefill_never_arrives_is_released():
         assert completion(s, [1, 2, 3], max_tokens=3)[0] == 200
 
 
-def test_seats_are_granted_in_batches():
+@pytest.mark.asyncio
+async def test_seats_are_granted_in_batches():
     with serving(*TINY, "--workers", "2", "--mode", "disagg", env={"MINIPD_FAULTS": "slow_step_s=0.02"}) as s:
-        got = asyncio.run(stream_completions(s.url, [[7, i] for i in range(24)], 10))
+        got = await stream_completions(s.url, [[7, i] for i in range(24)], 10)
         assert all(g["error"] is None for g in got)
         seats = s.get("/admin/workers")[1]["seats"]
         assert seats["granted"] == 24 and seats["batches_sent"] < 24, seats
 
 
-def test_a_non_streaming_client_that_goes_away_frees_everything_and_logs_no_error():
+@pytest.mark.asyncio
+async def test_a_non_streaming_client_that_goes_away_frees_everything_and_logs_no_error():
     """Defect: a non-streaming request never noticed its client had gone and ran to the end;
     a normal disconnect was logged as an ERROR with a traceback."""
     with serving(*TINY, "--workers", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
@@ -226,8 +234,8 @@ def test_a_non_streaming_client_that_goes_away_frees_everything_and_logs_no_erro
         time.sleep(0.5)
         sock.close()
         wait_for_idle_workers(s, timeout=5)  # 3000 steps of 10 ms would take 30 s
-        asyncio.run(abandon_a_stream(s))
-        wait_for_idle_workers(s, timeout=5)
+        await abandon_a_stream(s)
+        await asyncio.to_thread(wait_for_idle_workers, s, timeout=5)  # the loop finishes the disconnect meanwhile
         log = s.output()
         assert "Traceback" not in log and " ERROR " not in log, log
 
@@ -254,12 +262,13 @@ def test_max_tokens_is_bounded_and_checked_against_the_context():
         assert status == 400 and "None" not in err["error"]["message"] and err["error"]["param"] == "max_tokens"
 
 
-def test_disaggregated_decode_does_not_preempt_at_the_configured_load():
+@pytest.mark.asyncio
+async def test_disaggregated_decode_does_not_preempt_at_the_configured_load():
     """Defect: a seat held only prompt + 1 tokens, so a full decode worker preempted its requests
     and re-prefilled them itself, bringing back the stall. Seats now book the reply's growth."""
     with serving(*TINY, "--workers", "2", "--mode", "disagg", "--kv-cache-tokens", "256", "--block-size", "16",
                  env={"MINIPD_FAULTS": "slow_step_s=0.005"}) as s:  # fmt: skip
-        got = asyncio.run(stream_completions(s.url, [[9, i] * 10 for i in range(6)], 60))
+        got = await stream_completions(s.url, [[9, i] * 10 for i in range(6)], 60)
         assert all(g["error"] is None for g in got)
         workers = wait_for_idle_workers(s, timeout=10)
         assert [w["preemptions"] for w in workers] == [0, 0]
@@ -272,19 +281,16 @@ def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_blocks():
         wait_for_idle_workers(s, timeout=5)
 
 
-def test_sigterm_lets_running_requests_finish_and_leaves_nothing_behind():
+@pytest.mark.asyncio
+async def test_sigterm_lets_running_requests_finish_and_leaves_nothing_behind():
     with serving(*TINY, "--workers", "2", "--mode", "disagg", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
-
-        async def go():
-            task = asyncio.ensure_future(stream_completions(s.url, PROMPTS[:3], 100))
-            await asyncio.sleep(0.5)
-            s.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.2)
-            refused = await asyncio.get_running_loop().run_in_executor(None, lambda: completion(s, [1], max_tokens=2))
-            return await task, refused
-
         s.children_seen()
-        got, (status, err) = asyncio.run(go())
+        task = asyncio.ensure_future(stream_completions(s.url, PROMPTS[:3], 100))
+        await asyncio.sleep(0.5)
+        s.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        status, err = await asyncio.to_thread(completion, s, [1], max_tokens=2)  # the streams go on meanwhile
+        got = await task
         assert all(g["error"] is None and g["text"] for g in got)
         assert status == 503 and "shutting down" in err["error"]["message"]
         assert s.proc.wait(15) == 0
@@ -311,19 +317,16 @@ def test_too_little_shared_memory_is_one_line_at_start():
     assert out.stderr.count("\n") == 1 and "/dev/shm" in out.stderr and "--kv-transport tcp" in out.stderr
 
 
-def test_ctrl_c_in_the_terminal_drains_instead_of_killing_the_workers():
+@pytest.mark.asyncio
+async def test_ctrl_c_in_the_terminal_drains_instead_of_killing_the_workers():
     """Defect: a terminal's Ctrl-C reaches the whole process group; the workers died of it, and
     the supervisor restarted them and redid every request instead of letting them finish."""
     with serving(*TINY, "--workers", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
-
-        async def go():
-            task = asyncio.ensure_future(stream_completions(s.url, PROMPTS[:3], 100))
-            await asyncio.sleep(0.5)
-            os.killpg(s.proc.pid, signal.SIGINT)  # what a terminal does
-            return await task
-
         s.children_seen()
-        got = asyncio.run(go())
+        task = asyncio.ensure_future(stream_completions(s.url, PROMPTS[:3], 100))
+        await asyncio.sleep(0.5)
+        os.killpg(s.proc.pid, signal.SIGINT)  # what a terminal does
+        got = await task
         assert all(g["error"] is None and g["text"] for g in got)
         assert s.proc.wait(15) == 0
         log = s.output()

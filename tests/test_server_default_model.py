@@ -42,11 +42,12 @@ async def eight_streams(url: str) -> list[str]:
         await client.close()
 
 
-def test_same_text_in_every_mode_and_across_switches(offline_texts):
+@pytest.mark.asyncio
+async def test_same_text_in_every_mode_and_across_switches(offline_texts):
     assert len(QUESTIONS) == 8
     with serving("--workers", "2", "--threads-per-worker", "1", "--mode", "colocated") as s:
         for mode in ({"mode": "colocated"}, {"mode": "chunked", "chunk_tokens": 16},
                      {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, {"mode": "colocated"}):  # fmt: skip
             status, got = s.post("/admin/mode", mode)
             assert status == 200 and got["mode"] == mode["mode"]
-            assert asyncio.run(eight_streams(s.url)) == offline_texts, mode
+            assert await eight_streams(s.url) == offline_texts, mode

@@ -116,45 +116,43 @@ async def _stream_texts(url, n, **kw):
         await client.close()
 
 
-def test_openai_client_streams_with_usage(server):
-    results = asyncio.run(_stream_texts(server.url, 6, max_tokens=5, extra_body={"ignore_eos": True}))
+@pytest.mark.asyncio
+async def test_openai_client_streams_with_usage(server):
+    results = await _stream_texts(server.url, 6, max_tokens=5, extra_body={"ignore_eos": True})
     for text, usage in results:
         assert usage.completion_tokens == 5 and text
 
 
-def test_client_disconnect_frees_the_blocks(server):
-    async def go():
-        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
-        stream = await client.completions.create(model="tiny-random", prompt="long one", stream=True,
-                                                 max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-        n = 0
-        async for _ in stream:
-            n += 1
-            if n == 3:
-                break
-        await stream.close()
-        await client.close()
+@pytest.mark.asyncio
+async def test_client_disconnect_frees_the_blocks(server):
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+    stream = await client.completions.create(model="tiny-random", prompt="long one", stream=True,
+                                             max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            break
+    await stream.close()
+    await client.close()
+    # off the loop: whatever the close left for the loop to do runs while the server is watched
+    await asyncio.to_thread(wait_for_idle_workers, server, timeout=20)
 
-    asyncio.run(go())
-    wait_for_idle_workers(server, timeout=20)
 
-
-def test_backpressure_waits_for_a_decode_seat():
+@pytest.mark.asyncio
+async def test_backpressure_waits_for_a_decode_seat():
     """Decode KV room for 2 requests: the 3rd is not prefilled until a seat frees; all complete."""
     with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "disagg",
                  "--kv-cache-tokens", "64", "--block-size", "16") as s:  # fmt: skip
         prompts = [[7 + i] * 30 for i in range(3)]  # 30 prompt tokens + 1 -> 2 blocks of 16: 2 seats fit in 4
 
-        async def go():
-            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none")
-            try:
-                return await asyncio.gather(*(client.completions.create(
-                    model="tiny-random", prompt=p, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-                    for p in prompts))  # fmt: skip
-            finally:
-                await client.close()
-
-        outs = asyncio.run(go())
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none")
+        try:
+            outs = await asyncio.gather(*(client.completions.create(
+                model="tiny-random", prompt=p, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+                for p in prompts))  # fmt: skip
+        finally:
+            await client.close()
         assert all(o.usage.completion_tokens == 2 for o in outs)
         lines = [s.get(f"/v1/requests/{o.id}/timeline")[1] for o in outs]
         lines.sort(key=lambda t: t["events"]["prefill_start"])
@@ -177,7 +175,8 @@ def test_tcp_transport_with_link_emulation_gives_the_same_tokens(server):
         assert t["kv_transfer"]["seconds"] >= 0.02 + size * 8 / 0.01e9  # the emulated link was honoured
 
 
-def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
+@pytest.mark.asyncio
+async def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
     with serving("--model", "tiny-random", "--workers", "3", "--threads-per-worker", "1") as s:
         prompts = [[9 + i, 2, 4000 - i] * (i + 2) for i in range(6)]
 
@@ -191,10 +190,10 @@ def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
             finally:
                 await client.close()
 
-        want, _ = asyncio.run(run_all())
+        want, _ = await run_all()
         for p, d in ((1, 2), (2, 1)):
             assert s.post("/admin/mode", {"mode": "disagg", "prefill_workers": p, "decode_workers": d})[0] == 200
-            got, ids = asyncio.run(run_all())
+            got, ids = await run_all()
             assert got == want
             lines = [s.get(f"/v1/requests/{i}/timeline")[1] for i in ids]
             assert len({t["prefill_worker"] for t in lines}) == p
@@ -203,7 +202,8 @@ def test_three_workers_1p2d_and_2p1d_give_the_same_tokens():
         assert status == 400 and "P + D" in err["error"]["message"]
 
 
-def test_switch_while_requests_stream_drains_them_and_loses_none(server):
+@pytest.mark.asyncio
+async def test_switch_while_requests_stream_drains_them_and_loses_none(server):
     prompts = [[20 + i, 30, 40] * (i + 1) for i in range(6)]
 
     async def one(client, p):
@@ -228,9 +228,9 @@ def test_switch_while_requests_stream_drains_them_and_loses_none(server):
 
     server.post("/admin/mode", {"mode": "colocated"})
     want = [completion(server, p, max_tokens=40, ignore_eos=True)["choices"][0]["text"] for p in prompts]
-    assert asyncio.run(go("disagg")) == want
+    assert await go("disagg") == want
     assert server.get("/admin/mode")[1]["mode"] == "disagg"
-    assert asyncio.run(go("chunked")) == want
+    assert await go("chunked") == want
 
 
 def test_a_transport_that_cannot_work_on_the_device_is_refused():
@@ -242,26 +242,24 @@ def test_a_transport_that_cannot_work_on_the_device_is_refused():
     assert out.returncode != 0 and "does not work with --device cpu" in out.stderr
 
 
-def test_overload_gets_429_and_the_rest_complete():
+@pytest.mark.asyncio
+async def test_overload_gets_429_and_the_rest_complete():
     with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
                  "--max-num-seqs", "1", "--max-waiting", "1") as s:  # fmt: skip
-        async def go():
-            client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
 
-            async def one(i):
-                try:
-                    out = await client.completions.create(model="tiny-random", prompt=f"n{i}", max_tokens=30,
-                                                          temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
-                    return out.usage.completion_tokens
-                except openai.RateLimitError as err:
-                    return err.status_code
-
+        async def one(i):
             try:
-                return await asyncio.gather(*(one(i) for i in range(5)))
-            finally:
-                await client.close()
+                out = await client.completions.create(model="tiny-random", prompt=f"n{i}", max_tokens=30,
+                                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+                return out.usage.completion_tokens
+            except openai.RateLimitError as err:
+                return err.status_code
 
-        results = asyncio.run(go())
+        try:
+            results = await asyncio.gather(*(one(i) for i in range(5)))
+        finally:
+            await client.close()
         assert results.count(429) >= 1 and results.count(30) >= 2, results
         assert set(results) <= {429, 30}
         assert completion(s, "after the rush", max_tokens=2)["usage"]["completion_tokens"] == 2
