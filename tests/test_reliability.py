@@ -186,7 +186,7 @@ def events_since(server, since: float) -> list[dict]:
     import json
 
     sock = socket.create_connection(("127.0.0.1", server.port))
-    sock.sendall(f"GET /admin/events?since={since} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    sock.sendall(f"GET /admin/events?since={since} HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n\r\n".encode())
     sock.settimeout(1.0)
     data = b""
     try:
@@ -229,9 +229,10 @@ async def test_a_non_streaming_client_that_goes_away_frees_everything_and_logs_n
     with serving(*TINY, "--workers", "2", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
         sock = socket.create_connection(("127.0.0.1", s.port))
         body = b'{"prompt": [5, 6], "max_tokens": 3000, "temperature": 0, "ignore_eos": true}'
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
         time.sleep(0.5)
+        assert sum(w["inflight"] for w in s.get("/admin/workers")[1]["workers"]) == 1  # it runs
         sock.close()
         wait_for_idle_workers(s, timeout=5)  # 3000 steps of 10 ms would take 30 s
         await abandon_a_stream(s)
