@@ -65,3 +65,24 @@ async def test_a_server_starting_into_disagg_reports_disagg_until_it_serves_it()
     assert during == {**DISAGG, "switching_to": {"mode": "chunked", "chunk_tokens": 64}}
     assert await reported(api) == {"mode": "chunked", "chunk_tokens": 64}
     assert [w.role for w in router.pool.workers] == ["both", "both"]
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_gives_up_mid_switch_never_leaves_workers_and_router_disagreeing():
+    """Defect: POST /admin/mode set the workers' roles, then awaited their acks; a client that gave
+    up then (aiohttp cancels its handler) left the router in the old mode with re-roled workers."""
+    pool = Pool()
+    router = Router(pool, None, Metrics("m"))
+    router.ready = True
+    handler = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    handler.cancel()  # the client went away while the workers take their roles
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    for worker_id, msg in pool.sent:
+        router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+    while router.target is not None:  # the switch the server owns goes on to its end
+        await asyncio.sleep(0)
+    assert router.mode == Mode("disagg", 1, 1)
+    assert [w.role for w in pool.workers] == ["prefill", "decode"] and router.serving.is_set()

@@ -308,7 +308,8 @@ class Router:
 
     # ---- modes -----------------------------------------------------------------------------------
     async def set_mode(self, mode: Mode) -> None:
-        await self.switcher.switch(mode)
+        """The switch is the server's: a caller that goes away (a client giving up) does not stop it halfway."""
+        await asyncio.shield(self.spawn(self.switcher.switch(mode)))
 
     def mode_report(self) -> dict:
         """Starting: the mode the server starts into. Switching: the mode served and the one coming."""
