@@ -44,20 +44,13 @@ class Harness:
         self.worker.handle(msg)
 
     def run_until(self, pred, timeout=5.0) -> list:
-        """Step the worker as its loop would, collecting what it sends, until pred(messages)."""
+        """Run the worker's loop, collecting what it sends, until pred(messages)."""
         got, deadline = [], time.monotonic() + timeout
         w = self.worker
         while not pred(got):
             assert time.monotonic() < deadline, got
-            w._drain(w.control, w._on_control)
-            w._drain(w.kv_in, w._on_kv)
-            w._collect_sent()
-            if w.pending_mode:
-                w._try_apply_mode()
-            if w.engine.has_unfinished():
-                w._step()
+            w.turn(poll_ms=1)
             got += self.drain()
-            time.sleep(0.001)
         return got
 
     def close(self):

@@ -54,6 +54,7 @@ class KVSender:
         self.in_place = transport in IN_PLACE
         self.link = link or LinkEmulator()
         self.copy_hook = copy_hook  # tests: called between block runs of an in-place copy
+        self.wire_hook = None  # tests: (address, frames) -> the frames that go, or None (lost); may raise zmq.Again
         self.peer_caches = PeerCaches()
         self.lanes: dict[str, _Lane] = {}  # one per decode worker: a slow one holds up no other
         self.done: queue.Queue[tuple[str, str | None]] = queue.Queue()  # (key, error)
@@ -183,7 +184,9 @@ class _Lane:
             if self.address in s.forgotten:
                 raise PeerGone("the decode worker is gone")
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                sent = frames if s.wire_hook is None else s.wire_hook(self.address, frames)
+                if sent is not None:
+                    sock.send_multipart(sent, flags=zmq.NOBLOCK, copy=False)
                 return
             except zmq.Again:
                 if time.monotonic() > deadline:

@@ -111,30 +111,34 @@ class Worker:
     def loop(self) -> None:
         self.heartbeat.start()
         try:
-            while self.running:
-                self.loop_beat = time.monotonic()
-                if os.getppid() != self.parent:
-                    break  # the main process is gone: do not outlive it
-                busy = self.engine.has_unfinished() and not self.stuck
-                waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.pending_mode or self.stuck)
-                events = dict(self.poller.poll(0 if busy else 5 if waiting_on_io else 100))
-                if self.control in events:
-                    self._drain(self.control, self._on_control)
-                if self.kv_in in events:
-                    self._drain(self.kv_in, self._on_kv)
-                self._guarded(self._collect_sent)
-                now = time.monotonic()
-                if now - self.last_lease_check > LEASE_CHECK_S:
-                    self.last_lease_check = now
-                    self._guarded(self._check_leases)
-                if self.pending_mode:
-                    self._guarded(self._try_apply_mode)
-                if self.engine.has_unfinished():
-                    self._guarded(self._step)
-                if time.monotonic() - self.last_stats > HEARTBEAT_S:
-                    self._guarded(self.send_stats)
+            while self.running and os.getppid() == self.parent:  # the main process gone: do not outlive it
+                self.turn()
         finally:
             self.close()
+
+    def turn(self, poll_ms: int | None = None) -> None:
+        """Once round the loop: messages in, handoffs out, leases, a pending mode, one step, stats."""
+        self.loop_beat = time.monotonic()
+        if poll_ms is None:
+            busy = self.engine.has_unfinished() and not self.stuck
+            waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.pending_mode or self.stuck)
+            poll_ms = 0 if busy else 5 if waiting_on_io else 100
+        events = dict(self.poller.poll(poll_ms))
+        if self.control in events:
+            self._drain(self.control, self._on_control)
+        if self.kv_in in events:
+            self._drain(self.kv_in, self._on_kv)
+        self._guarded(self._collect_sent)
+        now = time.monotonic()
+        if now - self.last_lease_check > LEASE_CHECK_S:
+            self.last_lease_check = now
+            self._guarded(self._check_leases)
+        if self.pending_mode:
+            self._guarded(self._try_apply_mode)
+        if self.engine.has_unfinished():
+            self._guarded(self._step)
+        if time.monotonic() - self.last_stats > HEARTBEAT_S:
+            self._guarded(self.send_stats)
 
     def close(self) -> None:
         """Sockets closed, the shared-memory cache (if any) unlinked."""
