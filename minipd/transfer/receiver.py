@@ -32,8 +32,9 @@ class Arrival:
 class _Incoming:  # tcp: a handoff whose parts are still landing
     meta: HandoffMeta
     start: float
-    parts_left: int
+    missing: set[int]  # parts not landed yet
     slots: torch.Tensor | None = None
+    error: str | None = None  # a part that came wrong: the KV in the seat cannot be trusted
 
 
 class SeatTable:
@@ -69,7 +70,7 @@ class SeatTable:
             meta = HandoffMeta(**body["meta"])
             if h.stage is Stage.SEAT_RESERVED and not h.aborted:
                 h.to(Stage.WRITING)
-                self._incoming[h.key] = _Incoming(meta, body["start"], meta.kv_shape[0] * meta.kv_shape[1])
+                self._incoming[h.key] = _Incoming(meta, body["start"], set(range(meta.kv_shape[0] * meta.kv_shape[1])))
             return None
         return self._on_end(h, body)
 
@@ -78,12 +79,19 @@ class SeatTable:
         if h is None or inc is None or h.aborted:
             return
         _, _, tokens, heads, dim = inc.meta.kv_shape
+        data, dtype = _as_tensor(frame), getattr(torch, inc.meta.kv_dtype)
+        expected = tokens * heads * dim * dtype.itemsize
+        if index not in inc.missing:
+            inc.error = inc.error or f"KV part {index} came twice, or is no part of this KV"
+            return
+        if data.numel() != expected:
+            inc.error = inc.error or f"KV part {index} came with {data.numel()} of its {expected} bytes"
+            return
         kv = self.engine.seat_kv(key, tokens)
         if inc.slots is None:
             inc.slots = kv.slots()
-        part = _as_tensor(frame).view(getattr(torch, inc.meta.kv_dtype)).view(tokens, heads, dim)
-        kv.write_part(index, part, inc.slots)
-        inc.parts_left -= 1
+        kv.write_part(index, data.view(dtype).view(tokens, heads, dim), inc.slots)
+        inc.missing.discard(index)
 
     def _on_end(self, h: Handoff, body: dict) -> Arrival | None:
         h.writer_done = True
@@ -92,8 +100,8 @@ class SeatTable:
             self._release(h, Stage.RELEASED)
             return None
         outcome = body["outcome"]
-        if outcome == wire.WRITTEN and incoming is not None and incoming.parts_left:
-            outcome, body = wire.FAILED, {**body, "error": f"{incoming.parts_left} KV parts did not arrive"}
+        if outcome == wire.WRITTEN and not self.in_place and (problem := _what_went_wrong(incoming)):
+            outcome, body = wire.FAILED, {**body, "error": problem}
         if outcome != wire.WRITTEN:
             self._release(h, Stage.FAILED)
             reason = body.get("error") or body.get("reason") or outcome
@@ -150,6 +158,17 @@ class SeatTable:
         self.handoffs.end(h.key, stage)
         if self.on_release is not None:
             self.on_release(h.key, stage)
+
+
+def _what_went_wrong(incoming: _Incoming | None) -> str | None:
+    """tcp: why a handoff said `written` but its KV is not all in the seat, or None."""
+    if incoming is None:
+        return "its BEGIN did not arrive"
+    if incoming.error:
+        return incoming.error
+    if incoming.missing:
+        return f"{len(incoming.missing)} KV parts did not arrive"
+    return None
 
 
 def _as_tensor(frame) -> torch.Tensor:

@@ -59,7 +59,8 @@ class Worker:
         self.out.setsockopt(zmq.LINGER, 2000)
         self.out.connect(spec.main_address)
         link = LinkEmulator(spec.kv_link_gbps, spec.kv_link_latency_ms) if spec.kv_transport == "tcp" else None
-        self.sender = KVSender(self.ctx, spec.kv_transport, link, timeout=spec.kv_transfer_timeout)
+        lease = spec.kv_transfer_timeout  # a failed write's last word is owed for as long as its seat waits
+        self.sender = KVSender(self.ctx, spec.kv_transport, link, lease, word_timeout=spec.seat_timeout)
         self.seats = SeatTable(self.engine, self.id, spec.kv_transport in IN_PLACE, on_release=self._seat_released)
         self.outgoing = Handoffs()  # this worker as the writer
         self.peers: dict[int, wire.Peer] = {}
@@ -252,6 +253,7 @@ class Worker:
                 self._cancel_outgoing(h, "the request was aborted")
             else:
                 h.aborted = True
+                self.sender.abort(key, "the request was aborted")  # what of its KV has not gone stays here
         elif reader is not None and reader in self.peers:
             # not (or no longer) ours: say so, in case the reader still waits (a second word is ignored)
             self.sender.cancel(key, self.peers[reader], "the prefill worker does not hold the request")
@@ -341,25 +343,33 @@ class Worker:
                 self.outgoing.end(key, Stage.FAILED)
             self.send(m.RequestError(key, self.id, "the prefill finished but there is no decode seat for it"))
             return
+        try:
+            meta, kv = self.engine.handoff_meta(key), self.engine.handoff_kv(key)
+        except Exception as err:  # nothing was written: the reader hears so now, not at the end of its lease
+            log.exception("worker %d: the KV write of %s could not start", self.id, key)
+            self.engine.release_handoff(key)
+            self.outgoing.end(key, Stage.FAILED)
+            self.sender.cancel(key, peer, f"the prefill worker could not start writing the KV: {err}")
+            self.send(m.RequestError(key, self.id, f"the KV handoff could not start on worker {self.id}: {err}"))
+            return
         h.to(Stage.WRITING)
-        meta = self.engine.handoff_meta(key)
         started = time.time()
         self.send(m.Event(key, self.id, "transfer_start", started, {"bytes": meta.num_bytes, "to": h.reader}))
-        copied = self.sender.write(key, self.engine.handoff_kv(key), dataclasses.asdict(meta), peer, h.seat,
-                                   {"start": started, "writer": self.id})  # fmt: skip
+        extra = {"start": started, "writer": self.id}
+        copied = self.sender.write(key, kv, dataclasses.asdict(meta), peer, h.seat, extra)
         if copied is not None:
             self.send(m.Event(key, self.id, "kv_copied", copied, {"to": h.reader}))
 
     def _collect_sent(self) -> None:
         sent = self.sender.finished()
-        for key, error in sent:
+        for key, outcome, error in sent:
             self.engine.release_handoff(key)
             h = self.outgoing.get(key)
             if h is not None:
-                if error is None:
+                if outcome == wire.WRITTEN:
                     h.to(Stage.WRITTEN)
                 self.outgoing.end(key, Stage.FAILED if error else Stage.RELEASED)
-            self.send(m.Event(key, self.id, "kv_sent", time.time(), {"error": error}))
+            self.send(m.Event(key, self.id, "kv_sent", time.time(), {"outcome": outcome, "error": error}))
             if error and h is not None and not h.aborted:
                 self.send(m.RequestError(key, self.id, error))
         if sent:
