@@ -25,7 +25,7 @@ log = logging.getLogger("minipd.api")
 STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "invalid_request_error"),
           Overloaded: (429, "rate_limit_error"), Unavailable: (503, "server_error")}  # fmt: skip
 OPEN_PATHS = ("/health", "/metrics")
-MAX_BODY_BYTES = 32 * 2**20
+MIN_BODY_LIMIT = 8 * 2**20  # parsing a body holds the event loop: 8 MiB of token ids take ~0.25 s, 32 MiB ~1 s
 CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
@@ -121,11 +121,12 @@ class Api:
         self.guard = guard or BrowserGuard("127.0.0.1")
         self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 1
         self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
+        self.max_body_bytes = max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars)  # twice the longest prompt
 
     def app(self) -> web.Application:
         middlewares = [errors_as_json, guard_browsers(self.guard)]
         middlewares += [require_api_key(self.api_key)] if self.api_key else []
-        app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.on_response_prepare.append(add_cors_headers)
         app.add_routes([
             web.post("/v1/completions", self.completions),
