@@ -4,6 +4,7 @@ web page, a hostile client or a huge input may do. Each test runs in millisecond
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -222,3 +223,66 @@ async def test_a_body_larger_than_any_prompt_is_refused_unread():
         body = b"[" + b"1," * (5 * 2**20) + b"1]"  # 10 MiB
         resp = await client.post("/v1/completions", data=body, headers={"Content-Type": "application/json"})
         assert resp.status == 413 and (await error_of(resp))["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("charset", ["punycode", "foo", "utf-16"])
+async def test_a_body_must_be_utf8(charset):
+    """Defect: the client's charset chose the decoder, on the event loop: punycode decodes in
+    quadratic time (a 200 kB body took seconds), an unknown one was a 500."""
+    async with api_client() as client:
+        data = b'{"prompt": "' + b"a" * 100_000 + b"-" + b"a" * 100_000 + b'"}'
+        started = time.monotonic()
+        resp = await client.post("/v1/completions", data=data,
+                                 headers={"Content-Type": f"application/json; charset={charset}"})  # fmt: skip
+        assert resp.status == 415 and "UTF-8" in (await error_of(resp))["message"]
+        assert time.monotonic() - started < 1.0
+
+
+@pytest.mark.parametrize("path", ["/admin/workers", "/admin/events", "/admin/mode", "/v1/models"])
+async def test_another_site_reads_nothing_under_admin_or_v1(path):
+    """Defect: a cross-origin GET (or a no-cors one, which carries no Origin) was served."""
+    async with api_client() as client:
+        for headers in ({"Origin": EVIL}, {"Sec-Fetch-Site": "cross-site"}, {"Sec-Fetch-Site": "same-site"}):
+            resp = await client.get(path, headers=headers)
+            assert resp.status == 403 and (await error_of(resp))["code"] == "origin_not_allowed", headers
+        assert (await client.get("/", headers={"Sec-Fetch-Site": "cross-site"})).status == 200  # a link to the page
+        assert (await client.get("/v1/models", headers={"Sec-Fetch-Site": "same-origin"})).status == 200
+
+
+async def test_ip_literals_pass_when_listening_on_the_network_with_allowed_hosts():
+    async with api_client(listen_host="0.0.0.0", allowed_hosts=["gpu-box"]) as client:
+        assert (await client.get("/v1/models", headers={"Host": "192.0.2.7:8000"})).status == 200
+        assert (await client.get("/v1/models", headers={"Host": "[2001:db8::1]:8000"})).status == 200
+
+
+async def test_many_empty_messages_are_tokenized_off_the_event_loop(tokenizer, monkeypatch):
+    """Defect: the choice was made on the content's length alone; 2,000 empty messages render to
+    tens of thousands of characters of template, tokenized on the loop."""
+    async with api_client(tokenizer) as client:
+        threads = []
+        encode = tokenizer.encode
+        monkeypatch.setattr(
+            tokenizer, "encode", lambda *a, **k: threads.append(threading.current_thread()) or encode(*a, **k)
+        )
+        body = {"messages": [{"role": "user", "content": ""}] * 2000}
+        assert (await client.post("/v1/chat/completions", json=body)).status == 400  # too long once rendered
+        assert threads and threads[0] is not threading.main_thread()
+
+
+async def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    class Strict:  # a template that wants roles to alternate, as Llama 2's and Mistral's do
+        max_token_chars = 16
+
+        def __len__(self):
+            return 100
+
+        def apply_chat_template(self, messages, **kw):
+            from jinja2.exceptions import TemplateError
+
+            raise TemplateError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    async with api_client(Strict()) as client:
+        body = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+        resp = await client.post("/v1/chat/completions", json=body)
+        err = await error_of(resp)
+        assert resp.status == 400 and "alternate" in err["message"] and err["param"] == "messages"

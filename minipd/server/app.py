@@ -28,6 +28,8 @@ OPEN_PATHS = ("/health", "/metrics")
 MIN_BODY_LIMIT = 8 * 2**20  # parsing a body holds the event loop: 8 MiB of token ids take ~0.25 s, 32 MiB ~1 s
 CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
+TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
+MAX_BODY_LIMIT = 16 * 2**20
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 
 
@@ -73,8 +75,10 @@ def guard_browsers(guard: BrowserGuard):
         if why:
             return refuse(why, "host_not_allowed")
         origin = request.headers.get("Origin")
-        method = request.headers.get("Access-Control-Request-Method", request.method).upper()
-        why = guard.origin_refusal(method, request.path, origin, host)
+        method = request.method
+        if method == "OPTIONS":  # a CORS preflight asks for the method to come
+            method = request.headers.get("Access-Control-Request-Method", method).upper()
+        why = guard.origin_refusal(method, request.path, origin, host, request.headers.get("Sec-Fetch-Site"))
         if why:
             return refuse(why, "origin_not_allowed")
         cors = guard.cors_headers(origin, request.path)
@@ -121,13 +125,14 @@ class Api:
         self.guard = guard or BrowserGuard("127.0.0.1")
         self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 1
         self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
-        self.max_body_bytes = max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars)  # twice the longest prompt
+        self.max_body_bytes = min(MAX_BODY_LIMIT, max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars))
 
     def app(self) -> web.Application:
         middlewares = [errors_as_json, guard_browsers(self.guard)]
         middlewares += [require_api_key(self.api_key)] if self.api_key else []
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.on_response_prepare.append(add_cors_headers)
+        app.on_cleanup.append(self._stop_tokenizing)
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -156,7 +161,7 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         messages = p.chat_messages(body, self.max_model_len, self.max_token_chars)
-        num_chars = sum(len(msg["content"]) for msg in messages)
+        num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
         ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer())
         return await self._serve(request, body, ids, chat=True)
 
@@ -383,13 +388,18 @@ class Api:
         if request.content_type != "application/json" and not request.content_type.endswith("+json"):
             raise ApiError(f"the request body must be JSON, sent with 'Content-Type: application/json' "
                            f"(got {request.content_type!r})", 415)  # fmt: skip
+        if (request.charset or "utf-8").lower().replace("_", "-") not in ("utf-8", "utf8"):
+            raise ApiError(f"JSON bodies are UTF-8 (RFC 8259); got charset {request.charset!r}", 415)
         try:
-            body = await request.json()
+            body = json.loads(await request.read())
         except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ApiError("the request body is not valid JSON (or nests too deeply)") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
         return body
+
+    async def _stop_tokenizing(self, app) -> None:
+        self.tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
     def _tokenizer(self):
         if self.tokenizer is None:

@@ -1,8 +1,9 @@
 """What a web page may ask of the server. A browser sends any page's requests to a server on this
 machine, so three rules hold by default:
 
-- a foreign Origin changes nothing (no POST outside /v1) and uses /v1 only where --allowed-origins
-  lists it; CORS headers then say so, as vLLM's --allowed-origins does;
+- a page from another site (a foreign Origin, or Sec-Fetch-Site cross-site or same-site when a
+  browser sends no Origin) changes nothing, reads nothing under /admin, and uses /v1 only where
+  --allowed-origins lists it; CORS headers then say so, as vLLM's --allowed-origins does;
 - a body is JSON by its Content-Type: a "simple" text/plain POST needs no preflight (bodies are
   checked in app.py, where they are read);
 - bound to loopback, the Host header must name this machine (or an --allowed-hosts entry), which
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+OTHER_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site of a request another page made
 LOCAL_NAMES = ("localhost", "localhost.localdomain")
 
 
@@ -71,8 +73,8 @@ class BrowserGuard:
         if is_loopback(host_name(self.listen_host)):
             if is_loopback(name):
                 return None
-        elif not self.allowed_hosts or is_loopback(name):
-            return None  # listening on the network: the Host check is opt-in (--allowed-hosts)
+        elif not self.allowed_hosts or is_loopback(name) or _is_ip(name):
+            return None  # listening on the network: the Host check is opt-in (--allowed-hosts); no IP is rebound
         return (f"the Host header {host_header!r} does not name this server (it listens on {self.listen_host}); "
                 "start it with --allowed-hosts to accept that name")  # fmt: skip
 
@@ -85,20 +87,36 @@ class BrowserGuard:
             o.rstrip("/").lower() for o in self.allowed_origins
         )
 
-    def origin_refusal(self, method: str, path: str, origin: str | None, host_header: str | None) -> str | None:
-        """Why a request from this Origin is refused, or None. No Origin: not a browser's cross-origin call."""
-        if origin is None or self.is_own(origin, host_header):
-            return None
-        if path.startswith("/v1"):
-            if self.listed(origin):
+    def origin_refusal(self, method: str, path: str, origin: str | None, host_header: str | None,
+                       fetch_site: str | None = None) -> str | None:  # fmt: skip
+        """Why a request from this Origin is refused, or None. No Origin and no Sec-Fetch-Site: not a
+        browser's call from another page (curl, the openai client, vllm bench)."""
+        if origin is not None:
+            if self.is_own(origin, host_header):
                 return None
-            return (f"requests from the web page at {origin} are not allowed; start the server with "
-                    f"--allowed-origins {origin} to allow them")  # fmt: skip
+        elif fetch_site not in OTHER_SITE:
+            return None
+        page = origin or f"another site (Sec-Fetch-Site: {fetch_site})"
+        if path.startswith("/v1"):
+            if origin is not None and self.listed(origin) or "*" in self.allowed_origins:
+                return None
+            return (f"requests from the web page at {page} are not allowed; start the server with "
+                    f"--allowed-origins {origin or 'ORIGIN'} to allow them")  # fmt: skip
         if method not in SAFE_METHODS:
-            return f"a page from another origin ({origin}) cannot change this server"
+            return f"a page from {page} cannot change this server"
+        if path.startswith("/admin"):
+            return f"a page from {page} cannot read /admin"
         return None
 
     def cors_headers(self, origin: str | None, path: str) -> dict[str, str]:
         if origin is None or not path.startswith("/v1") or not self.listed(origin):
             return {}
         return {"Access-Control-Allow-Origin": "*" if "*" in self.allowed_origins else origin, "Vary": "Origin"}
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False

@@ -187,7 +187,12 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
 
 
 def chat_prompt(messages: list[dict], tokenizer) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    from jinja2.exceptions import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except TemplateError as err:  # the template's own raise_exception: e.g. roles that must alternate
+        raise ApiError(f"the model's chat template refused the messages: {err}", param="messages") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
