@@ -56,3 +56,42 @@ def test_the_last_worker_of_a_killed_server_removes_what_is_left(tmp_path, monke
     os.close(main.fd)  # SIGKILL
     shm.leave_owner(workers[1], "7-x")
     assert os.listdir(tmp_path) == []
+
+
+def test_another_users_owner_file_stops_no_start(tmp_path, monkeypatch):
+    """Defect: an owner file this user cannot open (another user's, mode 0600) made every start raise."""
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    theirs = tmp_path / shm.segment_name("9-theirs", "owner")
+    theirs.write_bytes(b"")
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: _as_uid(real_stat(p, *a, **k), os.getuid() + 1)
+                        if str(p) == str(theirs) else real_stat(p, *a, **k))  # fmt: skip
+    assert shm.remove_orphans() == []
+    assert theirs.exists()
+    theirs.chmod(0)  # unreadable: skipped, not raised (root can read it anyway)
+    monkeypatch.setattr(os, "stat", real_stat)
+    shm.remove_orphans()
+
+
+def _as_uid(st: os.stat_result, uid: int) -> os.stat_result:
+    fields = list(st)
+    fields[4] = uid
+    return os.stat_result(fields)
+
+
+def test_an_owner_file_appears_only_once_locked(tmp_path, monkeypatch):
+    """Defect: the file was created, then locked: another start's clean-up could take it between."""
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    seen = []
+    real_rename = os.rename
+
+    def rename(src, dst):
+        seen.append(os.listdir(tmp_path))
+        assert shm.remove_orphans() == []  # the half-made claim is invisible to a clean-up
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    owner = shm.Owner("5-new")
+    assert seen and shm.segment_name("5-new", "owner") not in seen[0]
+    assert os.listdir(tmp_path) == [shm.segment_name("5-new", "owner")]
+    owner.release()

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import logging
 import os
 import secrets
 from multiprocessing import resource_tracker, shared_memory
 
+log = logging.getLogger("minipd.shm")
 PREFIX = "minipd_"
 SHM_DIR = "/dev/shm"
 OWNER = "owner"
@@ -34,8 +36,10 @@ class Owner:
     def __init__(self, tag: str):
         self.tag = tag
         self.path = os.path.join(SHM_DIR, segment_name(tag, OWNER))
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+        locking = f"{self.path}.{secrets.token_hex(4)}"  # locked before it has the name others look for
+        self.fd = os.open(locking, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_SH)
+        os.rename(locking, self.path)
 
     def release(self) -> None:
         if self.fd is not None:
@@ -47,8 +51,8 @@ class Owner:
 def join_owner(tag: str) -> int | None:
     """A worker shares its server's claim (None where the server made none)."""
     try:
-        fd = os.open(os.path.join(SHM_DIR, segment_name(tag, OWNER)), os.O_RDWR)
-    except FileNotFoundError:
+        fd = os.open(os.path.join(SHM_DIR, segment_name(tag, OWNER)), os.O_RDONLY)
+    except OSError:
         return None
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
@@ -72,8 +76,10 @@ def remove_orphans() -> list[str]:
     removed = []
     for owner in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*_{OWNER}")):
         try:
-            fd = os.open(owner, os.O_RDWR)
-        except FileNotFoundError:
+            if os.stat(owner).st_uid != os.getuid():
+                continue  # another user's server: not ours to judge (nor could we remove its files)
+            fd = os.open(owner, os.O_RDONLY)
+        except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -127,3 +133,5 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as err:  # another user's file in the sticky /dev/shm
+        log.warning("could not remove %s: %s", path, err.strerror)
