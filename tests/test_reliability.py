@@ -101,6 +101,16 @@ def test_a_step_longer_than_the_worker_timeout_is_not_taken_for_a_hang():
         assert worker["pid"] == pid and worker["restarts"] == 0
 
 
+def test_a_step_past_the_step_timeout_is_a_hang_inside_the_model():
+    with serving(*TINY, "--workers", "1", "--worker-timeout", "1", "--step-timeout", "2", "--max-worker-restarts", "1",
+                 env={"MINIPD_FAULTS": "slow_step_s=4"}) as s:  # fmt: skip
+        pid = s.worker_pid(0)
+        status, err = completion(s, [1, 2, 3], max_tokens=2)
+        assert status == 500 and "--step-timeout" in err["error"]["message"], err
+        worker = s.get("/admin/workers")[1]["workers"][0]
+        assert worker["pid"] != pid or worker["state"] != "up"
+
+
 def test_a_loop_stuck_outside_a_step_is_killed_although_its_heartbeat_goes_on():
     with serving(*TINY, "--workers", "2", "--worker-timeout", "2", "--max-worker-restarts", "1",
                  env={"MINIPD_FAULTS": "hang_on_token=777"}) as s:  # fmt: skip

@@ -338,6 +338,7 @@ class Api:
                          "kv_blocks_seated": s.blocks_seated if s else 0, "kv_blocks_booked": s.blocks_booked if s else 0,
                          "kv_blocks_total": w.info.num_blocks if w.info else None,
                          "preemptions": s.num_preempted if s else 0, "handoffs": s.handoffs if s else {},
+                         "step_seconds": round(w.step_s, 3),
                          "integrity_error": s.integrity_error if s else None})  # fmt: skip
         return web.json_response({"mode": r.mode_report(), "kv_transport": self.kv_transport, "workers": rows,
                                   "seats": {"waiting": r.seats.num_waiting, "batches_sent": r.seats.batches_sent,

@@ -77,7 +77,11 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="cpu: torch threads in each worker (default: cores / workers)")
     g.add_argument("--gpus", default=None, help="cuda: comma-separated GPU indices, one worker each (default: all)")
     g.add_argument("--worker-timeout", type=float, default=60.0,
-                   help="a worker silent for this many seconds is killed and replaced")
+                   help="a worker silent this long (no heartbeat: stopped, frozen) or stuck this long outside a "
+                        "step is killed and replaced; a long step is not silence (see --step-timeout)")
+    g.add_argument("--step-timeout", type=float, default=600.0,
+                   help="a single engine step running longer than this is taken for a hang (inside the model) "
+                        "and its worker is replaced; a step merely slower than --worker-timeout is fine")
     g.add_argument("--max-worker-restarts", type=int, default=5,
                    help="restarts of one worker within 10 minutes before it is left dead")
     add_engine_args(s.add_argument_group("engine"))
@@ -215,7 +219,7 @@ async def serve(args, configs: list[dict], mode) -> None:
     pool = WorkerPool(configs, args.kv_transport, args.kv_link_gbps, args.kv_link_latency_ms,
                       args.kv_transfer_timeout, args.seat_timeout)  # fmt: skip
     router = build_router(args, pool, tokenizer, Metrics(name, len(configs)), mode)
-    supervisor = Supervisor(router, pool, args.worker_timeout, args.max_worker_restarts)
+    supervisor = Supervisor(router, pool, args.worker_timeout, args.max_worker_restarts, step_timeout=args.step_timeout)
     guard = BrowserGuard(args.host, args.allowed_origins, args.allowed_hosts)
     api = Api(router, name, max_model_len, args.default_max_tokens, args.api_key, args.kv_transport, guard)
 

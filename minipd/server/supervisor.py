@@ -21,11 +21,12 @@ TICK_S = 0.25
 
 class Supervisor:
     def __init__(self, router: Router, pool: WorkerPool, worker_timeout: float = 60.0, max_restarts: int = 5,
-                 restart_window: float = 600.0, start_timeout: float = 300.0):  # fmt: skip
+                 restart_window: float = 600.0, start_timeout: float = 300.0, step_timeout: float = 600.0):  # fmt: skip
         self.router, self.pool = router, pool
         self.worker_timeout = worker_timeout
         self.max_restarts, self.restart_window = max_restarts, restart_window
         self.start_timeout = start_timeout
+        self.step_timeout = step_timeout
         self.ready: dict[int, asyncio.Future] = {}
         self.stopping = False
         self.num_restarts = 0
@@ -110,17 +111,25 @@ class Supervisor:
             try:
                 now = time.monotonic()
                 for w in self.pool.workers:
-                    if w.alive and self.pool.hung_for(w, now) > self.worker_timeout:
-                        silent = now - w.last_heard
-                        how = f"has not answered for {silent:.0f} s" if silent > self.worker_timeout else \
-                            f"has been stuck outside a step for {self.pool.hung_for(w, now):.0f} s"  # fmt: skip
+                    how = self._hung(w, now) if w.alive else None
+                    if how:
                         log.error("worker %d (pid %d) %s: killing it", w.worker_id, w.pid, how)
-                        w.last_heard, w.stalled_s = now, 0.0
+                        w.last_heard, w.stalled_s, w.step_s = now, 0.0, 0.0
                         w.kill_reason = f"it {how}"
                         os.kill(w.pid, signal.SIGKILL)  # the sentinel takes it from there
                 self.router.check_deadlines()
             except Exception:
                 log.exception("the supervisor's tick failed")
+
+    def _hung(self, w, now: float) -> str | None:
+        silent = now - w.last_heard
+        if silent > self.worker_timeout:
+            return f"has not answered for {silent:.0f} s"
+        if self.pool.hung_for(w, now) > self.worker_timeout:
+            return f"has been stuck outside a step for {self.pool.hung_for(w, now):.0f} s"
+        if w.step_s and w.step_s + silent > self.step_timeout:
+            return f"has been in one step for {w.step_s + silent:.0f} s (--step-timeout)"
+        return None
 
     def stop(self) -> None:
         self.stopping = True
