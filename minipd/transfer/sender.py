@@ -133,6 +133,9 @@ class KVSender:
                 return out
 
     def close(self) -> None:
+        for item in list(self.writing.values()):  # the lanes stop sending at once: none outlives its socket
+            item.stop_reason = item.stop_reason or "the worker is stopping"
+            item.stop.set()
         for lane in self.lanes.values():
             lane.put(None)
         for lane in self.lanes.values():

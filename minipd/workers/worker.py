@@ -103,7 +103,10 @@ class Worker:
             while not self.stop_heartbeat.is_set():
                 now, started = time.monotonic(), self.step_started
                 step_s, stalled_s = (now - started, 0.0) if started is not None else (0.0, now - self.loop_beat)
-                sock.send(m.encode(m.Heartbeat(self.id, self.spec.incarnation, step_s, stalled_s)))
+                try:  # never blocks: a main process that stopped reading must not hold this thread
+                    sock.send(m.encode(m.Heartbeat(self.id, self.spec.incarnation, step_s, stalled_s)), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
                 self.stop_heartbeat.wait(HEARTBEAT_S)
         finally:
             sock.close(linger=0)
@@ -146,12 +149,12 @@ class Worker:
         self.stop_heartbeat.set()
         if self.heartbeat.is_alive():
             self.heartbeat.join(2 * HEARTBEAT_S)
-        self.sender.close()
-        self.ctx.destroy(linger=0)
-        if self.cache_segment is not None:
+        if self.cache_segment is not None:  # first: whatever happens to the sockets, no segment is left
             shm.unlink(self.cache_segment)
         shm.leave_owner(self.shm_owner, self.spec.tag)
         self.shm_owner = None
+        self.sender.close()
+        self.ctx.destroy(linger=0)
 
     @staticmethod
     def _drain(sock, handler) -> None:
