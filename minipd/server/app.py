@@ -356,8 +356,10 @@ class Api:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            for event in log_.since(since):
+            for i, event in enumerate(log_.since(since)):
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                if i % 256 == 255:
+                    await asyncio.sleep(0)  # a long replay takes turns with the other clients
             while True:
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout=15)
