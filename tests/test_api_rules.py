@@ -25,10 +25,10 @@ MAX_MODEL_LEN = 2048
 
 
 @asynccontextmanager
-async def api_client(tokenizer=None, listen_host="127.0.0.1", **guard):
+async def api_client(tokenizer=None, listen_host="127.0.0.1", max_model_len=MAX_MODEL_LEN, **guard):
     pool = WorkerPool([])
     router = Router(pool, tokenizer, Metrics("tiny"))
-    api = Api(router, "tiny", MAX_MODEL_LEN, guard=BrowserGuard(listen_host, **guard))
+    api = Api(router, "tiny", max_model_len, guard=BrowserGuard(listen_host, **guard))
     try:
         async with TestClient(TestServer(api.app(), host="127.0.0.1")) as client:
             client.api = api
@@ -150,8 +150,8 @@ async def test_a_huge_prompt_is_refused_without_tokenizing_it(tokenizer, monkeyp
 
 
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
-    async with api_client(tokenizer) as client:
-        text = "the quick brown fox jumps over the lazy dog " * 3500  # 154,000 characters, ~35,000 tokens
+    async with api_client(tokenizer, max_model_len=8192) as client:
+        text = "the quick brown fox jumps over the lazy dog " * 14000  # 616,000 characters, ~140,000 tokens
         gaps, done = [], asyncio.Event()
 
         async def ticker():
@@ -168,7 +168,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
         await tick
         err = await error_of(resp)
         assert resp.status == 400 and "tokens" in err["message"]  # tokenized, then found too long
-        assert max(gaps) < 0.05, max(gaps)
+        assert max(gaps) < 0.2, max(gaps)  # on the loop it was about 0.5 s
 
 
 @pytest.mark.parametrize("extra,param", [
