@@ -48,7 +48,9 @@ async def soak(args) -> dict:
     rng = random.Random(args.seed)
     extra = ["--model", args.model] if args.model else []
     server = ServerProcess("--workers", str(args.workers), "--threads-per-worker", "1", "--log-level", "warning",
-                           "--worker-timeout", "15", *extra)  # fmt: skip
+                           "--worker-timeout", "15", "--max-worker-restarts", "1000", *extra)  # fmt: skip
+    # the chaos kills a worker every --kill-every seconds: more than the default restart budget
+    # (5 in 10 minutes) allows, which would leave both workers dead for good and measure nothing
     counts = {k: 0 for k in ("sent", "completed", "errored", "aborted", "hung", "lost", "bad_input_refused",
                              "hostile_refused", "hostile_let_through", "mode_switches", "kills", "stops")}  # fmt: skip
     let_through: list[str] = []
@@ -69,6 +71,8 @@ async def soak(args) -> dict:
                 async with session.post(server.url + "/v1/chat/completions", json=body) as resp:
                     if resp.status != 200:
                         counts["errored"] += 1
+                        counts[f"http_{resp.status}"] = counts.get(f"http_{resp.status}", 0) + 1
+                        await asyncio.sleep(0.2)  # a client backs off (503 while a worker restarts)
                         return
                     if not stream:
                         data = await resp.json()
