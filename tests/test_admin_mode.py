@@ -19,7 +19,7 @@ class Pool:
     """Two workers; what is sent to them is kept, and they answer when the test says so."""
 
     def __init__(self):
-        up = {"pid": 1, "state": "up", "alive": True, "role": "both", "device": "cpu", "incarnation": 0}
+        up = {"pid": 1, "state": "up", "alive": True, "role": "both", "device": "cpu", "incarnation": 0, "step_s": 0.0}
         self.workers = [
             SimpleNamespace(**up, worker_id=i, restarts=[], exit_cause=None, info=None, stats=None) for i in range(2)
         ]
