@@ -132,3 +132,20 @@ def test_chunked_never_starves_a_reply_or_a_prompt():
     decoded = {x.request_id for x, n in zip(batch.seqs, batch.num_new_tokens) if n == 1}
     assert decoded == {f"r{i}" for i in range(12)}
     assert dict(zip([x.request_id for x in batch.seqs], batch.num_new_tokens))["long"] == 2  # 8 // 4
+
+
+def test_a_move_freezes_a_decoding_request_now_and_one_in_its_prompt_after_its_first_token():
+    s = make("chunked", chunk=8)
+    s.add(seq("a", 5))
+    run_step(s)  # a decodes from here on
+    s.add(seq("b", 30))
+    run_step(s)  # b has read part of its prompt
+    assert s.freeze_for_move("a") is True
+    assert s.find("a").status is SequenceStatus.HANDOFF and s.find("a") not in s.running
+    assert s.freeze_for_move("b") is False  # b goes on reading its prompt, then hands off
+    while s.find("b").status is not SequenceStatus.HANDOFF:
+        run_step(s)
+    assert s.find("b").num_output_tokens == 1 and s.num_unfinished == 0
+    for rid in ("a", "b"):
+        s.release_handoff(rid)
+    assert s.blocks.num_used == 0

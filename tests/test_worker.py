@@ -146,13 +146,17 @@ def test_set_mode_waits_for_a_handoff_in_flight_instead_of_dying(harness):
     assert prefill.worker.engine.blocks.num_used == 0
 
 
-def test_a_mode_that_cannot_drain_is_refused_with_an_error(harness):
-    h = harness(mode_timeout=0.2)
-    h.send(m.AddRequest("long", [5], {"max_tokens": 3000, "temperature": 0.0, "ignore_eos": True}))
+def test_a_new_role_applies_at_once_and_running_requests_keep_their_own_way(harness):
+    """A live switch: the role is the default for requests that come next. One running as `both`
+    when the worker becomes a prefill worker is not handed off to nobody: it finishes here."""
+    h = harness()
+    h.send(m.AddRequest("long", [5], {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}))
+    h.run_until(lambda msgs: of(m.Tokens, msgs))
     h.send(m.SetMode("prefill", "prefill_first", 512, {}))
-    got = h.run_until(lambda msgs: of(m.ModeSet, msgs), timeout=10)
-    assert "still held" in of(m.ModeSet, got)[0].error
-    assert h.worker.engine.scheduler.config.role == "both"
+    got = h.run_until(lambda msgs: any(x.finished for x in of(m.Tokens, msgs)), timeout=20)
+    assert of(m.ModeSet, got)[0].error is None and h.worker.engine.scheduler.config.role == "prefill"
+    assert sum(len(x.token_ids) for x in of(m.Tokens, got)) == 39 and not of(m.RequestError, got)
+    assert h.worker.engine.blocks.num_used == 0
 
 
 def test_an_abort_the_writer_cannot_place_still_tells_the_reader(harness):

@@ -22,7 +22,7 @@ class StepOutput:
     new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
-    handoff: bool = False  # prefill role: first token made, KV ready to hand off
+    handoff: bool = False  # a token made by a request that hands off: its KV is ready to go
     index: int = 0  # how many output tokens the request had before these
 
 
@@ -75,9 +75,10 @@ class Engine:
 
     # ---- requests ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    output_token_ids: list[int] = ()) -> None:  # fmt: skip
+                    output_token_ids: list[int] = (), hand_off: bool | None = None) -> None:  # fmt: skip
         """output_token_ids: tokens this request already produced elsewhere (it is being redone);
-        they are recomputed with the prompt and sampling goes on from there."""
+        they are recomputed with the prompt and sampling goes on from there. hand_off: its KV goes
+        to another worker after its first token (default: whether this engine's role is prefill)."""
         if self.scheduler.find(request_id) is not None:
             raise ValueError(f"request id {request_id!r} is already in this engine")
         vocab = self.model.config.vocab_size
@@ -85,6 +86,7 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {vocab})")
         seq = Sequence.new(request_id, prompt_token_ids, params)
         seq.token_ids += output_token_ids
+        seq.hand_off = hand_off
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -137,8 +139,7 @@ class Engine:
         return not (self.scheduler.num_unfinished or self.scheduler.handoffs or self.blocks.num_seated)
 
     def set_role(self, role: str) -> None:
-        if not self.is_drained():
-            raise RuntimeError("change the role only when the engine is drained")
+        """The default for requests added from now on; those already here keep their own way."""
         self.scheduler.config.role = role
         self.scheduler.config.__post_init__()
 
@@ -152,6 +153,11 @@ class Engine:
 
     def export_handoff(self, request_id: str) -> KVHandoff:
         return KVHandoff(self.handoff_meta(request_id), self.handoff_kv(request_id).read())
+
+    def start_move(self, request_id: str) -> bool:
+        """Hand a running request's KV to another worker at its next token boundary. True: it is
+        frozen now and handoff_meta/handoff_kv describe it; False: it goes once its prompt is read."""
+        return self.scheduler.freeze_for_move(request_id)
 
     def release_handoff(self, request_id: str) -> None:
         self.scheduler.release_handoff(request_id)

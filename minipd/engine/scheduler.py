@@ -81,6 +81,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.check_admissible(seq.num_prompt_tokens)
+        if seq.hand_off is None:
+            seq.hand_off = self.config.role == "prefill"
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -108,6 +110,20 @@ class Scheduler:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
         return seq
+
+    def freeze_for_move(self, request_id: str) -> bool:
+        """A move at a token boundary: a decoding request leaves the running set now, its KV held
+        for export (True); one still reading its prompt (or waiting) hands off after its next token (False)."""
+        seq = self.find(request_id)
+        if seq is None or seq.status is SequenceStatus.HANDOFF:
+            raise ValueError(f"request {request_id!r} is not running here")
+        if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.HANDOFF
+            self.handoffs[request_id] = seq
+            return True
+        seq.hand_off = True
+        return False
 
     def release_handoff(self, request_id: str) -> None:
         seq = self.handoffs.pop(request_id)
@@ -215,7 +231,7 @@ class Scheduler:
     # ---- after the model ran ------------------------------------------------------
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Advance accounting; append sampled tokens. Returns sequences that left the running set
-        this step (finished, or handed off in the prefill role)."""
+        this step (finished, or handed off)."""
         done = []
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             seq.num_computed_tokens += n
@@ -227,7 +243,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 done.append(seq)
-            elif self.config.role == "prefill":
+            elif seq.hand_off:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.HANDOFF
                 self.handoffs[seq.request_id] = seq

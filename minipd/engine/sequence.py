@@ -9,7 +9,7 @@ from minipd.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    HANDOFF = "handoff"  # prefill role: first token made, KV held for export
+    HANDOFF = "handoff"  # its KV is held for export to another worker (after a prefill, or a move)
     FINISHED = "finished"
 
 
@@ -26,6 +26,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
+    hand_off: bool | None = None  # its KV goes to another worker once its next token is sampled (None: the role says)
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:

@@ -60,12 +60,11 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, engine_configs: list[dict], kv_transport: str = "shm", kv_link_gbps: float | None = None,
-                 kv_link_latency_ms: float = 0.0, kv_transfer_timeout: float = 60.0, seat_timeout: float = 300.0,
-                 mode_timeout: float = 120.0):  # fmt: skip
+                 kv_link_latency_ms: float = 0.0, kv_transfer_timeout: float = 60.0, seat_timeout: float = 300.0):
         self.kv_transport = kv_transport
         self.spec_defaults = dict(kv_transport=kv_transport, kv_link_gbps=kv_link_gbps,
                                   kv_link_latency_ms=kv_link_latency_ms, kv_transfer_timeout=kv_transfer_timeout,
-                                  seat_timeout=seat_timeout, mode_timeout=mode_timeout)  # fmt: skip
+                                  seat_timeout=seat_timeout)  # fmt: skip
         self.tag = shm.new_tag()
         self.owner = shm.Owner(self.tag) if kv_transport == "shm" else None
         orphans = shm.remove_orphans() if kv_transport == "shm" else []

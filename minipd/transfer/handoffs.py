@@ -6,7 +6,12 @@ through the stages below and no other way:
 
     reader:  seat_reserved -> [writing] -> written -> imported -> released
     writer:  prefilling -> writing -> written -> released
+             decoding -> writing -> written -> released      (a move: the source is a decode)
     either:  any unfinished stage -> released (aborted) or failed
+
+A move is the same handoff with a running reply as its source: the writer freezes the request at a
+token boundary and writes the KV of its prompt and of the tokens made so far; the reader goes on
+sampling from the next token (the sampler's noise depends only on seed and token index).
 
 Ownership rule: for transports that write into the reader's cache (shm, cuda-ipc), the reader
 gives the seat's blocks back only once the writer has said it is done with them (its last
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 class Stage(str, enum.Enum):
     SEAT_RESERVED = "seat_reserved"
     PREFILLING = "prefilling"
+    DECODING = "decoding"
     WRITING = "writing"
     WRITTEN = "written"
     IMPORTED = "imported"
@@ -35,6 +41,7 @@ S = Stage
 NEXT: dict[Stage, set[Stage]] = {
     S.SEAT_RESERVED: {S.WRITING, S.WRITTEN, S.RELEASED, S.FAILED},
     S.PREFILLING: {S.WRITING, S.RELEASED, S.FAILED},
+    S.DECODING: {S.WRITING, S.RELEASED, S.FAILED},
     S.WRITING: {S.WRITTEN, S.RELEASED, S.FAILED},
     S.WRITTEN: {S.IMPORTED, S.RELEASED, S.FAILED},
     S.IMPORTED: {S.RELEASED},

@@ -26,6 +26,7 @@ class Arrival:
     meta: HandoffMeta | None = None
     seconds: float | None = None  # from the writer's start to the import
     error: str | None = None  # set when the seat failed while its request was still wanted
+    cancelled: bool = False  # the writer called it off (and tells the main process itself)
 
 
 @dataclass(slots=True)
@@ -105,7 +106,7 @@ class SeatTable:
         if outcome != wire.WRITTEN:
             self._release(h, Stage.FAILED)
             reason = body.get("error") or body.get("reason") or outcome
-            return Arrival(h.key, False, error=f"the KV handoff {outcome}: {reason}")
+            return Arrival(h.key, False, error=f"the KV handoff {outcome}: {reason}", cancelled=outcome == wire.CANCELLED)
         meta = HandoffMeta(**body["meta"])
         try:
             h.to(Stage.WRITTEN)

@@ -16,7 +16,6 @@ class WorkerSpec:
     kv_link_latency_ms: float = 0.0
     kv_transfer_timeout: float = 60.0
     seat_timeout: float = 300.0
-    mode_timeout: float = 120.0
     tag: str = "0"  # names this server's shared-memory segments
     incarnation: int = 0  # how many times this worker id was started before
 

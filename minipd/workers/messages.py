@@ -48,6 +48,15 @@ class AddRequest:
 
 
 @message
+class Move:
+    """Hand a running request to `reader` at its next token boundary: its KV goes into `seat`."""
+
+    key: str
+    reader: int
+    seat: list[int]
+
+
+@message
 class ReserveSeats:
     batch: int
     seats: list  # [key, num_tokens, headroom_tokens, writer] each

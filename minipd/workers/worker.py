@@ -64,7 +64,6 @@ class Worker:
         self.seats = SeatTable(self.engine, self.id, spec.kv_transport in IN_PLACE, on_release=self._seat_released)
         self.outgoing = Handoffs()  # this worker as the writer
         self.peers: dict[int, wire.Peer] = {}
-        self.pending_mode: tuple[m.SetMode, float] | None = None
         self.prefill_started: set[str] = set()
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
@@ -121,11 +120,11 @@ class Worker:
             self.close()
 
     def turn(self, poll_ms: int | None = None) -> None:
-        """Once round the loop: messages in, handoffs out, leases, a pending mode, one step, stats."""
+        """Once round the loop: messages in, handoffs out, leases, one step, stats."""
         self.loop_beat = time.monotonic()
         if poll_ms is None:
             busy = self.engine.has_unfinished() and not self.stuck
-            waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.pending_mode or self.stuck)
+            waiting_on_io = bool(len(self.outgoing) or len(self.seats) or self.stuck)
             poll_ms = 0 if busy else 5 if waiting_on_io else 100
         events = dict(self.poller.poll(poll_ms))
         if self.control in events:
@@ -137,8 +136,6 @@ class Worker:
         if now - self.last_lease_check > LEASE_CHECK_S:
             self.last_lease_check = now
             self._guarded(self._check_leases)
-        if self.pending_mode:
-            self._guarded(self._try_apply_mode)
         if self.engine.has_unfinished():
             self._guarded(self._step)
         if time.monotonic() - self.last_stats > HEARTBEAT_S:
@@ -192,6 +189,8 @@ class Worker:
             self._add(msg)
         elif isinstance(msg, m.ReserveSeats):
             self._reserve(msg)
+        elif isinstance(msg, m.Move):
+            self._move(msg)
         elif isinstance(msg, m.Abort):
             self._abort(msg.key, msg.writer_done, msg.reader)
             self.send_stats()
@@ -200,8 +199,9 @@ class Worker:
             if msg.link is not None and self.spec.kv_transport == "tcp":
                 self.sender.link = LinkEmulator(*msg.link)
             self.engine.set_policy(msg.policy, msg.chunk_tokens)
-            self.pending_mode = (msg, time.monotonic())
-            self._try_apply_mode()
+            self.engine.set_role(msg.role)  # requests here keep their own way (a handoff in flight goes on)
+            self.send(m.ModeSet(self.id, msg.role, msg.policy))
+            self.send_stats()
             if msg.role == "prefill":
                 for wid, peer in self.peers.items():
                     if wid != self.id:
@@ -224,7 +224,7 @@ class Worker:
                 raise ValueError(f"no decode worker {msg.reader} is known here")
         try:
             params = SamplingParams.from_dict(msg.params)
-            self.engine.add_request(msg.key, msg.prompt_token_ids, params, msg.output_token_ids)
+            self.engine.add_request(msg.key, msg.prompt_token_ids, params, msg.output_token_ids, reader is not None)
         except Exception as err:
             if reader is not None:
                 self.sender.cancel(msg.key, reader, f"the prefill worker refused the request: {err}")
@@ -232,6 +232,32 @@ class Worker:
             return
         if reader is not None:
             self.outgoing.open(Handoff(msg.key, self.id, msg.reader, msg.seat, Stage.PREFILLING, self.sender.in_place))
+
+    def _move(self, msg: m.Move) -> None:
+        """Start handing a running request to another worker (see transfer/handoffs.py). A request
+        that is not here, is leaving already, or has outgrown the seat stays where it is: the reader
+        hears so (its seat goes back) and the main process gets `move_refused`."""
+        peer = self.peers.get(msg.reader)
+        seq = self.engine.scheduler.find(msg.key)
+        problem = None
+        if peer is None:
+            problem = f"worker {msg.reader} is not known here"
+        elif seq is None or seq.is_finished or self.outgoing.get(msg.key) is not None:
+            problem = "the request is not running here"
+        elif -(-(seq.num_tokens + 1) // self.engine.blocks.block_size) > len(msg.seat):
+            problem = f"the request ({seq.num_tokens} tokens) outgrew its seat of {len(msg.seat)} blocks"
+        if problem is not None:
+            if peer is not None:
+                self.sender.cancel(msg.key, peer, f"the move was refused: {problem}")
+            self.send(m.Event(msg.key, self.id, "move_refused", time.time(), {"to": msg.reader, "reason": problem}))
+            return
+        now = self.engine.start_move(msg.key)
+        stage = Stage.DECODING if now else Stage.PREFILLING
+        self.outgoing.open(Handoff(msg.key, self.id, msg.reader, msg.seat, stage, self.sender.in_place))
+        self.send(m.Event(msg.key, self.id, "move_start", time.time(),
+                          {"to": msg.reader, "tokens": seq.num_tokens, "now": now}))  # fmt: skip
+        if now:
+            self._write(msg.key)
 
     def _reserve(self, msg: m.ReserveSeats) -> None:
         results = []
@@ -252,7 +278,7 @@ class Worker:
         self.prefill_started.discard(key)
         h = self.outgoing.get(key)
         if h is not None:
-            if h.stage is Stage.PREFILLING:
+            if h.stage in (Stage.PREFILLING, Stage.DECODING):
                 self._cancel_outgoing(h, "the request was aborted")
             else:
                 h.aborted = True
@@ -293,24 +319,6 @@ class Worker:
             self.sender.forget_peer(peer)  # writes under way report failure; their blocks come back
         self.seats.writer_gone(worker_id)
 
-    def _try_apply_mode(self) -> None:
-        msg, since = self.pending_mode
-        busy = self.engine.scheduler.num_unfinished + len(self.outgoing) + len(self.seats)
-        if not busy:
-            self.engine.set_role(msg.role)
-            self.pending_mode = None
-            self.send(m.ModeSet(self.id, msg.role, msg.policy))
-            self.send_stats()
-        elif time.monotonic() - since > self.spec.mode_timeout:
-            self.pending_mode = None
-            held = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)]
-            held += [f"{h.key} ({'out' if h.writer == self.id else 'in'}: {h.stage.value}"
-                     f"{', aborted' if h.aborted else ''})" for h in (*self.outgoing, *self.seats.handoffs)]  # fmt: skip
-            log.warning("worker %d: cannot change its role; it still holds %s", self.id, held)
-            self.send(m.ModeSet(self.id, self.engine.scheduler.config.role, msg.policy,
-                                f"worker {self.id} still held {busy} requests and handoffs after "
-                                f"{self.spec.mode_timeout:g} s: {', '.join(held[:5])}"))  # fmt: skip
-
     # ---- KV arriving (decode side) -------------------------------------------------------------
     def _on_kv(self, frames) -> None:
         try:
@@ -324,7 +332,7 @@ class Worker:
             meta = arrival.meta
             self.send(m.Event(arrival.key, self.id, "transfer_end", time.time(),
                               {"bytes": meta.num_bytes, "seconds": arrival.seconds}))  # fmt: skip
-        elif arrival.error:
+        elif arrival.error and not arrival.cancelled:  # a writer that cancels says why itself
             self.send(m.RequestError(arrival.key, self.id, arrival.error))
         self.send_stats()
 
@@ -348,6 +356,8 @@ class Worker:
             return
         try:
             meta, kv = self.engine.handoff_meta(key), self.engine.handoff_kv(key)
+            if -(-(meta.num_computed_tokens + 1) // self.engine.blocks.block_size) > len(h.seat):
+                raise ValueError(f"its KV ({meta.num_computed_tokens} tokens) outgrew its seat of {len(h.seat)} blocks")
         except Exception as err:  # nothing was written: the reader hears so now, not at the end of its lease
             log.exception("worker %d: the KV write of %s could not start", self.id, key)
             self.engine.release_handoff(key)
