@@ -19,7 +19,8 @@ class Pool:
     """Two workers; what is sent to them is kept, and they answer when the test says so."""
 
     def __init__(self):
-        up = {"pid": 1, "state": "up", "alive": True, "role": "both", "device": "cpu", "incarnation": 0, "step_s": 0.0}
+        up = {"pid": 1, "state": "up", "alive": True, "role": "both", "device": "cpu", "incarnation": 0, "step_s": 0.0,
+              "draining": False}
         self.workers = [
             SimpleNamespace(**up, worker_id=i, restarts=[], exit_cause=None, info=None, stats=None) for i in range(2)
         ]
@@ -63,8 +64,13 @@ async def test_a_server_starting_into_disagg_reports_disagg_until_it_serves_it()
     assert await reported(api) == DISAGG
     during = await switch_and_report(router, api, Mode("chunked", chunk_tokens=64))
     assert during == {**DISAGG, "switching_to": {"mode": "chunked", "chunk_tokens": 64}}
-    assert await reported(api) == {"mode": "chunked", "chunk_tokens": 64}
+    after = await reported(api)
+    last = after.pop("last_switch")
+    assert after == {"mode": "chunked", "chunk_tokens": 64}
+    assert last["changed"] and last["from"] == DISAGG and last["to"] == after and last["moved"] == 0
     assert [w.role for w in router.pool.workers] == ["both", "both"]
+    same = await router.set_mode(Mode("chunked", chunk_tokens=64))
+    assert same["changed"] is False and (await reported(api))["last_switch"] == same
 
 
 @pytest.mark.asyncio

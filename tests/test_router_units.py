@@ -77,11 +77,16 @@ def test_tokens_from_two_workers_are_relayed_in_order():
     assert relay.in_order(state, first) == []  # a duplicate of something already relayed
 
 
-def test_a_prefill_worker_stops_holding_a_request_once_its_kv_arrived():
-    p = Placement("r.1", worker=0, reader=1, dispatched=True)
+@pytest.mark.asyncio
+async def test_a_prefill_worker_stops_holding_a_request_once_its_kv_arrived():
+    router = serving_router(FakePool(["prefill", "decode"]))
+    router.mode = Mode("disagg")
+    state = router.requests["r"] = RequestState("r", [1, 2], SamplingParams(max_tokens=3), None)
+    router.assign(state, Placement("r.1", worker=0, reader=1, dispatched=True))
+    p = state.placement
     assert p.holders == {0, 1}
-    p.kv_arrived = True
-    assert p.holders == {1}  # its death no longer redoes a request that decodes happily elsewhere
+    router.on_message(m.Event("r.1", 1, "transfer_end", 1.0, {"bytes": 10, "seconds": 0.1}))
+    assert p.holders == {1} and p.worker == 1  # its death no longer redoes a request that decodes happily elsewhere
     assert Placement("r.1", worker=0, reader=1).holders == {1}  # not dispatched: only the seat is held
 
 

@@ -23,7 +23,7 @@ def test_the_switch_drain_timeout_is_a_serve_flag_that_reaches_the_switcher():
 
 
 @pytest.mark.asyncio
-async def test_a_switch_that_cannot_drain_in_time_is_given_up_and_the_requests_go_on():
+async def test_a_draining_switch_that_cannot_drain_in_time_is_given_up_and_the_requests_go_on():
     pool = FakePool(["both", "both"])
     router = serving_router(pool)
     router.switcher.drain_timeout = 0.05
@@ -31,7 +31,7 @@ async def test_a_switch_that_cannot_drain_in_time_is_given_up_and_the_requests_g
     await placed(router)
     [(worker, _)] = pool.taken(m.AddRequest)
     with pytest.raises(Unavailable, match=r"within 0.05 s \(--switch-drain-timeout\)"):
-        await router.set_mode(Mode("chunked"))
+        await router.set_mode(Mode("chunked"), drain=True)
     assert router.mode == Mode() and router.serving.is_set() and router.target is None
     assert not pool.taken(m.SetMode) and not pool.taken(m.Abort)  # nobody was re-roled or stopped
     router.on_message(m.Tokens("r.1", worker, [10, 11, 12], 1.0, finished=True, finish_reason="length"))

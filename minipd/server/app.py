@@ -299,16 +299,19 @@ class Api:
         body = await self._body(request)
         cur = self.router.mode
         unknown = set(body) - {"mode", "prefill_workers", "decode_workers", "chunk_tokens", "workers", "kv_link_gbps",
-                               "kv_link_latency_ms"}  # fmt: skip
+                               "kv_link_latency_ms", "local_prefill_tokens", "drain"}  # fmt: skip
         if unknown:
             raise InvalidRequest(f"unknown field(s) {sorted(unknown)}; /admin/mode takes mode, chunk_tokens, "
-                                 "workers, prefill_workers, decode_workers, kv_link_gbps and kv_link_latency_ms",
-                                 param=sorted(unknown)[0])  # fmt: skip
+                                 "workers, prefill_workers, decode_workers, kv_link_gbps, kv_link_latency_ms, "
+                                 "local_prefill_tokens and drain", param=sorted(unknown)[0])  # fmt: skip
+        drain = body.get("drain", False)
+        if not isinstance(drain, bool):
+            raise InvalidRequest("'drain' must be true or false", param="drain")
         name = body.get("mode", cur.name)
         if not isinstance(name, str):
             raise InvalidRequest("'mode' must be a string", param="mode")
         fields = {}
-        for field in ("prefill_workers", "decode_workers", "chunk_tokens", "workers"):
+        for field in ("prefill_workers", "decode_workers", "chunk_tokens", "workers", "local_prefill_tokens"):
             value = body.get(field, getattr(cur, field))  # omitted fields keep their values
             if (value is None and field != "workers") or isinstance(value, bool) or not isinstance(value, (int, type(None))):
                 raise InvalidRequest(f"'{field}' must be an integer", param=field)
@@ -321,8 +324,8 @@ class Api:
             if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
             fields[field] = value
-        await self.router.set_mode(Mode(name, **fields))
-        return web.json_response(self.router.mode.as_dict())
+        outcome = await self.router.set_mode(Mode(name, **fields), drain=drain)
+        return web.json_response({**self.router.mode.as_dict(), "switch": outcome})
 
     async def workers(self, request) -> web.Response:
         r = self.router

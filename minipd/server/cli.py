@@ -52,11 +52,15 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked: token budget per step: every running decode, then prompt chunks with the rest (at least a quarter)")
     g.add_argument("--switch-drain-timeout", type=float, default=600.0,
-                   help="seconds a run-time mode switch waits for the running requests to finish (new ones wait "
-                        "meanwhile); past it the switch is given up with a 503 and they go on in the old mode")
+                   help="a switch with {\"drain\": true}: seconds it waits for the running requests to finish (new "
+                        "ones wait meanwhile); past it the switch is given up with a 503 and they go on in the old "
+                        "mode. Other switches move running replies instead of waiting for them")
     g = s.add_argument_group("disagg and KV transfer")
     g.add_argument("--prefill-workers", type=int, default=1, help="disagg: workers that read prompts (P of xPyD)")
     g.add_argument("--decode-workers", type=int, default=1, help="disagg: workers that write replies (D of xPyD)")
+    g.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="disagg: prompts shorter than this are prefilled by their decode worker itself, not sent "
+                        "to a prefill worker (per-request disaggregation, as Dynamo and llm-d do; 0: never)")
     g.add_argument("--kv-transport", default=None, choices=["shm", "cuda-ipc", "tcp"],
                    help="how KV moves between workers (default: shm on cpu, cuda-ipc on cuda)")
     g.add_argument(
@@ -163,7 +167,8 @@ def preflight(args) -> tuple[list[dict], object]:
     _check_port(args.host, args.port)
     configs = worker_configs(args)
     mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens,
-                kv_link_gbps=args.kv_link_gbps, kv_link_latency_ms=args.kv_link_latency_ms)
+                kv_link_gbps=args.kv_link_gbps, kv_link_latency_ms=args.kv_link_latency_ms,
+                local_prefill_tokens=args.local_prefill_tokens)
     try:
         mode.check(len(configs))
     except InvalidRequest as err:

@@ -50,10 +50,13 @@ class Dispatcher:
 
     async def _disagg(self, state: RequestState) -> bool:
         r = self.router
+        if len(state.prompt_token_ids) + len(state.output_token_ids) < r.mode.local_prefill_tokens:
+            return await self._local_prefill(state)
         writer = await self._pick(state, "prefill")
         if writer is None or await self._pick(state, "decode") is None:
             return False
         p = r.assign(state, Placement(state.new_key(), worker=writer.worker_id))
+        self._path(state, "remote", writer.worker_id)
         num_tokens = len(state.prompt_token_ids) + len(state.output_token_ids)
         if not self._fits_a_decode_worker(state, num_tokens):
             return True
@@ -72,6 +75,24 @@ class Dispatcher:
             r.release_holders(state)
             return False
         return self._send_request(state, p, seat)
+
+    async def _local_prefill(self, state: RequestState) -> bool:
+        """A short prompt in disagg: its decode worker reads it itself (no handoff to pay for)."""
+        r = self.router
+        w = await self._pick(state, "decode")
+        if w is None:
+            return False
+        p = r.assign(state, Placement(state.new_key(), worker=w.worker_id))
+        state.decode_worker = w.worker_id
+        self._path(state, "local", w.worker_id)
+        return self._send_request(state, p)
+
+    def _path(self, state: RequestState, path: str, worker: int) -> None:
+        r = self.router
+        state.path = path
+        r.metrics.placements.labels(r.metrics.model, path).inc()
+        r.events.publish({"type": "request", "kind": "placed", "request_id": state.request_id, "path": path,
+                          "worker": worker, "time": time.time()})  # fmt: skip
 
     def _send_request(self, state: RequestState, p: Placement, seat: list[int] | None = None) -> bool:
         r = self.router

@@ -47,10 +47,16 @@ class Metrics:
         self.mode = Info("minipd:mode", "The serving mode.", registry=r)
         self.mode_switches = counter("minipd:mode_switches", "Run-time mode switches.")
         self.redos = counter("minipd:request_redos", "Requests redone after the worker holding them died.")
+        self.moves = counter("minipd:request_moves", "Running replies moved between workers, by reason and outcome.",
+                             ["reason", "outcome"])  # fmt: skip
+        self.move_bytes = counter("minipd:request_move_bytes", "KV bytes of the replies moved between workers.")
+        self.placements = counter("minipd:disagg_placements",
+                                  "Disaggregated requests by path: remote (prefilled on a prefill worker) or local "
+                                  "(prompt under local_prefill_tokens, prefilled by its decode worker).", ["path"])  # fmt: skip
         self.worker_restarts = counter("minipd:worker_restarts", "Workers restarted after they died.", ["worker"])
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.prompt_tokens,
                        self.generation_tokens, self.kv_bytes, self.kv_seconds, self.seats_reserved,
-                       self.seats_waiting, self.mode_switches, self.redos):  # fmt: skip
+                       self.seats_waiting, self.mode_switches, self.redos, self.move_bytes):  # fmt: skip
             family.labels(model_name)  # every series exists from the start, at zero
         for w in range(num_workers):
             self.kv_usage.labels(model_name, str(w)).set(0)

@@ -1,4 +1,5 @@
-"""The serving mode, and switching it at run time: drain, re-role the workers (no reload), resume."""
+"""The serving mode, and switching it at run time: re-role the workers (no reload), then move the
+replies that must go elsewhere; or, on request, drain first."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from minipd.server.errors import InvalidRequest, Unavailable
+from minipd.server.moves import summary
 from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.modes")
@@ -23,6 +25,7 @@ class Mode:
     workers: int | None = None  # colocated and chunked: how many workers serve (None: all; the rest idle)
     kv_link_gbps: float | None = None  # tcp transport: the emulated link's rate (None: unpaced)
     kv_link_latency_ms: float = 0.0  # ... and its one-way latency
+    local_prefill_tokens: int = 0  # disagg: prompts shorter than this are prefilled by their decode worker
 
     def check(self, num_workers: int) -> None:
         if self.name not in MODES:
@@ -31,6 +34,8 @@ class Mode:
             raise InvalidRequest("chunk_tokens must be >= 1", param="chunk_tokens")
         if self.kv_link_gbps is not None and self.kv_link_gbps <= 0:
             raise InvalidRequest("kv_link_gbps must be > 0 (or null: unpaced)", param="kv_link_gbps")
+        if self.local_prefill_tokens < 0:
+            raise InvalidRequest("local_prefill_tokens must be >= 0", param="local_prefill_tokens")
         if self.kv_link_latency_ms < 0:
             raise InvalidRequest("kv_link_latency_ms must be >= 0", param="kv_link_latency_ms")
         if self.workers is not None and not 1 <= self.workers <= num_workers:
@@ -58,6 +63,8 @@ class Mode:
             out = {"mode": self.name, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers}
             if self.kv_link_gbps is not None or self.kv_link_latency_ms:
                 out.update(kv_link_gbps=self.kv_link_gbps, kv_link_latency_ms=self.kv_link_latency_ms)
+            if self.local_prefill_tokens:
+                out["local_prefill_tokens"] = self.local_prefill_tokens
             return out
         out = {"mode": self.name, "chunk_tokens": self.chunk_tokens} if self.name == "chunked" else {"mode": self.name}
         if self.workers is not None:
@@ -66,28 +73,43 @@ class Mode:
 
 
 class ModeSwitcher:
+    """A switch is one transaction, owned by the server (a client that gives up does not stop it):
+    the door closes for new requests, every worker gets its role and acknowledges it, the router
+    takes the new mode, the door opens; then the replies whose worker can no longer decode move to
+    one that can, at a token boundary, while they stream. With drain=True the running requests
+    finish first instead (a clean cut for experiments)."""
+
     def __init__(self, router, drain_timeout: float = 600.0, ack_timeout: float = 180.0):
         self.router = router
         self.drain_timeout, self.ack_timeout = drain_timeout, ack_timeout
         self.lock = asyncio.Lock()  # one change of roles at a time (switches and restarted workers)
         self.acks: dict[int, asyncio.Future] = {}
         self.num_switches = 0
+        self.last: dict | None = None  # the last switch's outcome
+        self.move_timeout = 60.0  # how long a switch's answer waits for its moves (they go on after)
 
-    async def switch(self, mode: Mode) -> None:
+    async def switch(self, mode: Mode, drain: bool = False) -> dict:
         r = self.router
         mode.check(len(r.pool.workers))
         async with self.lock:
-            old, r.target = r.mode, mode
-            started = time.time()
-            r.events.publish({"type": "mode", "phase": "drain", "time": started, "to": mode.as_dict()})
-            r.serving.clear()  # new and waiting requests wait at the door
+            old, started = r.mode, time.time()
+            if mode == old and r.ready:
+                return self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
+                                     "started": started, "seconds": 0.0, "requests_in_flight": len(r.requests),
+                                     "note": "the server already serves in this mode: nothing changed"})  # fmt: skip
+            r.target = mode
+            r.events.publish({"type": "mode", "phase": "drain" if drain else "switch", "time": started,
+                              "from": old.as_dict(), "to": mode.as_dict()})  # fmt: skip
+            in_flight = len(r.requests)
+            r.serving.clear()  # new and waiting requests wait at the door (for milliseconds, unless draining)
             try:
                 r.seats.cancel_all()
-                await self._drain()
-                roles = mode.roles(len(r.pool.workers))
-                errors = await self._set_roles(mode, roles)
+                await (self._drain() if drain else self._placements_settled())
+                errors = await self._set_roles(mode, mode.roles(len(r.pool.workers)))
                 if errors:
                     await self._set_roles(old, old.roles(len(r.pool.workers)))
+                    self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
+                                  "started": started, "seconds": time.time() - started, "error": "; ".join(errors)})  # fmt: skip
                     raise Unavailable(f"the mode switch failed and was undone: {'; '.join(errors)}")
                 r.mode = mode
                 self.num_switches += 1
@@ -97,9 +119,28 @@ class ModeSwitcher:
             finally:
                 r.target = None
                 r.serving.set()
+            serving_after = time.time() - started
             r.events.publish({"type": "mode", "phase": "serving", "time": time.time(), "mode": mode.as_dict(),
-                              "drain_seconds": time.time() - started})  # fmt: skip
+                              "drain_seconds": serving_after})  # fmt: skip
             log.info("minipd: now serving in mode %s", mode.as_dict())
+            moves = await r.mover.move_all(r.mover.misplaced(), "switch", self.move_timeout)
+            outcome = {"from": old.as_dict(), "to": mode.as_dict(), "changed": True, "drain": drain,
+                       "started": started, "serving_after_seconds": serving_after,
+                       "seconds": time.time() - started, "requests_in_flight": in_flight, **summary(moves)}  # fmt: skip
+            r.events.publish({"type": "mode", "phase": "switched", "time": time.time(), **outcome})
+            return self._record(outcome)
+
+    def _record(self, outcome: dict) -> dict:
+        if self.router.ready:  # the start's own switch is not one
+            self.last = outcome
+        return outcome
+
+    async def _placements_settled(self, timeout: float = 5.0) -> None:
+        """Placements under way finish (they were just told to go round again, or are sending now)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.router.placing and loop.time() < deadline:
+            await asyncio.sleep(0.002)
 
     async def _drain(self) -> None:
         r = self.router
@@ -112,16 +153,15 @@ class ModeSwitcher:
             await asyncio.sleep(0.01)
 
     async def _set_roles(self, mode: Mode, roles: list[str]) -> list[str]:
-        """Give every worker its role; returns the errors of those that refused."""
+        """Give every worker its role; returns the errors of those that refused. The router's record
+        of the roles changes only once every worker that is up has taken its new one."""
         r = self.router
         loop = asyncio.get_running_loop()
-        for w, role in zip(r.pool.workers, roles):
-            w.role = role  # a worker that is down gets it when it comes back
         up = [w for w in r.pool.workers if w.alive]
         self.acks = {w.worker_id: loop.create_future() for w in up}
         peers = r.pool.peers()
         for w in up:
-            r.pool.send(w.worker_id, m.SetMode(_engine_role(w.role), mode.policy, mode.chunk_tokens, peers,
+            r.pool.send(w.worker_id, m.SetMode(_engine_role(roles[w.worker_id]), mode.policy, mode.chunk_tokens, peers,
                                                [mode.kv_link_gbps, mode.kv_link_latency_ms]))  # fmt: skip
         done = set()
         if self.acks:
@@ -132,6 +172,9 @@ class ModeSwitcher:
                 errors.append(f"worker {wid} did not answer within {self.ack_timeout:g} s")
             elif fut.result() is not None:
                 errors.append(fut.result())
+        if not errors:
+            for w, role in zip(r.pool.workers, roles):
+                w.role = role  # a worker that is down gets it when it comes back
         return errors
 
     async def assign(self, worker_id: int) -> None:

@@ -23,17 +23,16 @@ class Placement:
     """One attempt of a request on the workers: the only record of who holds its blocks."""
 
     key: str  # what the workers call this attempt
-    worker: int | None = None  # runs it (colocated), or prefills it and writes its KV (disagg)
-    reader: int | None = None  # disagg: holds its seat, then decodes it
+    worker: int | None = None  # runs it, or (with a reader) prefills or holds it and writes its KV
+    reader: int | None = None  # a handoff or move under way: holds its seat, then decodes it
     dispatched: bool = False  # `worker` was sent the request
-    first_token_at: float | None = None  # disagg: the prefill's token arrived; the handoff lease runs
-    kv_arrived: bool = False  # disagg: the decode worker imported the KV
+    first_token_at: float | None = None  # the handoff's lease runs from here (the prefill's token, or the move's start)
 
     @property
     def holders(self) -> set[int]:
-        """Workers that hold something of this attempt (a prefill worker no longer does once the KV
-        is in the decode worker: it frees its own blocks when its send is over)."""
-        writer = self.worker if self.dispatched and not self.kv_arrived else None
+        """Workers that hold something of this attempt. Once the KV is in the reader, the reader
+        becomes `worker` (the writer frees its own blocks when its send is over)."""
+        writer = self.worker if self.dispatched else None
         return {w for w in (writer, self.reader) if w is not None}
 
 
@@ -50,6 +49,8 @@ class RequestState:
     placement: Placement | None = None
     attempt: int = 0
     redos: list[dict] = field(default_factory=list)  # {"time", "cause", "tokens_done"} per redo
+    moves: list[dict] = field(default_factory=list)  # moves.MoveRecord fields, per move tried
+    path: str | None = None  # disagg: "remote" (a prefill worker's) or "local" (its decode worker's own prefill)
     finished: bool = False
     finish_reason: str | None = None
     events: dict[str, float] = field(default_factory=dict)
@@ -84,6 +85,8 @@ class RequestState:
             "prefill_worker": self.prefill_worker,
             "decode_worker": self.decode_worker,
             "redos": list(self.redos),
+            "moves": list(self.moves),
+            "path": self.path,
             "kv_transfer": {"bytes": self.kv_bytes, "seconds": self.kv_seconds,
                             "gbps": (self.kv_bytes * 8 / self.kv_seconds / 1e9) if self.kv_seconds else None},
             "ttft": ttft, "tpot": tpot, "e2e": e2e if self.finished else None,

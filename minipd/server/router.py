@@ -18,6 +18,7 @@ from minipd.server.errors import Overloaded, Unavailable
 from minipd.server.events import EventLog
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode, ModeSwitcher
+from minipd.server.moves import Mover
 from minipd.server.relay import Relay
 from minipd.server.request_state import Delta, Placement, RequestState
 from minipd.server.seats import SeatBroker
@@ -58,6 +59,7 @@ class Router:
         self.seats = SeatBroker(pool, self.load, self._give_back_seat)
         self.dispatcher = Dispatcher(self, self.limits.decode_headroom_tokens)
         self.switcher = ModeSwitcher(self, switch_drain_timeout)
+        self.mover = Mover(self)
         self.serving = asyncio.Event()  # cleared while the mode switches
         self.workers_changed = asyncio.Event()
         self.accepting = True
@@ -111,8 +113,7 @@ class Router:
 
     def load(self, worker_id: int) -> int:
         """Requests placed on the worker (a prefill worker: only those it has not handed off yet)."""
-        return sum(1 for s in self.requests.values() if s.placement
-                   and worker_id in (s.placement.reader, None if s.placement.kv_arrived else s.placement.worker))  # fmt: skip
+        return sum(1 for s in self.requests.values() if s.placement and worker_id in (s.placement.reader, s.placement.worker))
 
     # ---- placements: who holds what ---------------------------------------------------------
     def assign(self, state: RequestState, placement: Placement) -> Placement:
@@ -126,6 +127,7 @@ class Router:
 
     def unassign(self, state: RequestState) -> None:
         if state.placement is not None:
+            self.mover.finish(state.placement.key, "ended", "the request ended during its move")
             self.by_key.pop(state.placement.key, None)
             state.placement = None
 
@@ -182,7 +184,7 @@ class Router:
             return  # an attempt that was ended or redone: nothing it says matters now
         p = state.placement
         if isinstance(msg, m.Tokens):
-            if p.reader is not None and msg.worker_id == p.worker:
+            if p.reader is not None and msg.worker_id == p.worker and p.first_token_at is None:
                 p.first_token_at = time.monotonic()  # the prefill's token: the handoff lease starts
             for tokens in self.relay.in_order(state, msg):
                 reason, text = self.relay.tokens(state, tokens)
@@ -191,13 +193,27 @@ class Router:
                     self.release_holders(state, skip=tokens.worker_id if tokens.finished else None)
                     break
         elif isinstance(msg, m.Event):
-            self.relay.event(state, msg)
-            if msg.kind == "transfer_end":
-                p.kv_arrived = True
-                state.decode_worker = msg.worker_id
+            if p.key not in self.mover.pending:  # a move's transfer is the move's, not the prefill's handoff
+                self.relay.event(state, msg)
+            if msg.kind == "transfer_end" and msg.worker_id == p.reader:
+                self._arrived(state, msg)
+            elif msg.kind == "move_refused" and msg.worker_id == p.worker and p.reader == msg.data.get("to"):
+                p.reader, p.first_token_at = None, None  # it stays where it is; its seat goes back
+                self.mover.finish(p.key, "refused", msg.data.get("reason"))
+        elif p.key in self.mover.pending:
+            self.redo(state, f"its move failed on worker {msg.worker_id}: {msg.message}")
         else:
             log.info("request %s failed on worker %d: %s", state.request_id, msg.worker_id, msg.message)
             self.fail(state, msg.message, reporter=msg.worker_id)
+
+    def _arrived(self, state: RequestState, msg: m.Event) -> None:
+        """The KV is in the reader (after a prefill or a move): the request now runs there alone."""
+        p = state.placement
+        p.worker, p.reader, p.first_token_at = msg.worker_id, None, None
+        state.decode_worker = msg.worker_id
+        self.mover.arrived(p.key, msg.worker_id, msg.data)
+        if not self.mover.can_decode(self.pool.workers[msg.worker_id]):  # its reader's role changed meanwhile
+            self.spawn(self.mover.move(state, "switch"))
 
     def _count_handoff(self, msg: m.Event) -> None:
         outcome = None
@@ -280,6 +296,8 @@ class Router:
         goes on where it was; greedy output is unchanged)."""
         if state.finished:
             return
+        if state.placement is not None:
+            self.mover.finish(state.placement.key, "failed", cause)
         self.release_holders(state)
         state.early.clear()  # tokens of the old attempt that were waiting for their turn
         state.gap_since = None
@@ -300,24 +318,30 @@ class Router:
             if now > state.deadline:
                 self.fail(state, f"the request did not finish within {self.limits.request_timeout:g} s "
                                  "(--request-timeout)")  # fmt: skip
-            elif p is not None and p.first_token_at and not p.kv_arrived and now - p.first_token_at > lease:
-                self.fail(state, f"the KV handoff did not finish within {lease:g} s")
+            elif p is not None and p.first_token_at and now - p.first_token_at > lease:
+                if p.key in self.mover.pending:
+                    self.redo(state, f"its move did not finish within {lease:g} s")
+                else:
+                    self.fail(state, f"the KV handoff did not finish within {lease:g} s")
             elif state.gap_since is not None and now - state.gap_since > gap:
                 self.redo(state, f"output tokens from index {len(state.output_token_ids)} were lost on their way "
                                  f"from a worker (later ones waited for them over {gap:g} s)")  # fmt: skip
 
     # ---- modes -----------------------------------------------------------------------------------
-    async def set_mode(self, mode: Mode) -> None:
-        """The switch is the server's: a caller that goes away (a client giving up) does not stop it halfway."""
-        await asyncio.shield(self.spawn(self.switcher.switch(mode)))
+    async def set_mode(self, mode: Mode, drain: bool = False) -> dict:
+        """The switch is the server's: a caller that goes away (a client giving up) does not stop it
+        halfway. Returns its outcome (what moved, how long it took)."""
+        return await asyncio.shield(self.spawn(self.switcher.switch(mode, drain)))
 
     def mode_report(self) -> dict:
-        """Starting: the mode the server starts into. Switching: the mode served and the one coming."""
+        """Starting: the mode the server starts into. Switching: the mode served and the one coming.
+        With the last switch's outcome."""
+        last = {"last_switch": self.switcher.last} if self.switcher.last is not None else {}
         if not self.ready:
             return {**(self.target or self.mode).as_dict(), "starting": True}
         if self.target is not None:
-            return {**self.mode.as_dict(), "switching_to": self.target.as_dict()}
-        return self.mode.as_dict()
+            return {**self.mode.as_dict(), "switching_to": self.target.as_dict(), **last}
+        return {**self.mode.as_dict(), **last}
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting; let what runs finish for up to `timeout` seconds; end the rest."""

@@ -3,7 +3,8 @@ exists). Requests wait first come, first seated; seats are asked for in batches,
 flight per decode worker, so one round trip to a busy decode worker seats every waiting request
 that fits, instead of one per decode step. A seat a worker refuses is either "no room now" (the
 request waits, and the worker is not asked again until it has more room) or "this request cannot
-be seated" (its RequestError ends that request alone)."""
+be seated" (its RequestError ends that request alone). A move asks for its seat here too, on
+any worker that can decode (`roles`) other than the one it leaves."""
 
 from __future__ import annotations
 
@@ -26,7 +27,11 @@ class Want:
     headroom: int  # tokens booked for the reply's growth
     writer: int  # the prefill worker that will write into the seat
     future: asyncio.Future  # -> (decode worker, block ids), or None: ask again later
+    roles: tuple[str, ...] = ("decode",)  # the workers that may seat it
     unseatable: bool = False  # the worker could not seat this request: an error for it, not a lack of room
+
+    def fits(self, worker) -> bool:
+        return worker.role in self.roles and worker.worker_id != self.writer
 
     def wanted(self) -> bool:
         s = self.state
@@ -44,8 +49,9 @@ class SeatBroker:
         self.turn = 0  # which decode worker goes first among equally loaded ones
         self.batches_sent = self.seats_granted = 0
 
-    def ask(self, state, key: str, num_tokens: int, headroom: int, writer: int) -> asyncio.Future:
-        want = Want(state, key, num_tokens, headroom, writer, asyncio.get_running_loop().create_future())
+    def ask(self, state, key: str, num_tokens: int, headroom: int, writer: int,
+            roles: tuple[str, ...] = ("decode",)) -> asyncio.Future:  # fmt: skip
+        want = Want(state, key, num_tokens, headroom, writer, asyncio.get_running_loop().create_future(), roles)
         self.queue.append(want)
         self.pump()
         return want.future
@@ -55,25 +61,37 @@ class SeatBroker:
         return len(self.queue) + sum(len(w) for _, w in self.in_flight.values())
 
     def pump(self) -> None:
-        """Send a batch to every decode worker that has none in flight and may have room."""
+        """Send a batch to every seating worker that has none in flight and may have room."""
         self._drop_unwanted()
+        if not self.queue:
+            return
+        roles = {r for want in self.queue for r in want.roles}
         n = len(self.pool.workers)
-        decoders = sorted(self.pool.with_role("decode"), key=lambda w: (self.load(w.worker_id), (w.worker_id - self.turn) % n))
-        if decoders and self.queue:
-            self.turn = decoders[0].worker_id + 1
-        for w in decoders:
+        seating = sorted((w for w in self.pool.workers if w.alive and w.role in roles),
+                         key=lambda w: (self.load(w.worker_id), (w.worker_id - self.turn) % n))  # fmt: skip
+        if seating:
+            self.turn = seating[0].worker_id + 1
+        for w in seating:
             if not self.queue:
                 return
             if w.worker_id in self.in_flight or w.worker_id in self.full:
                 continue
             room = _available(w)
             take, need = [], 0
-            while self.queue and len(take) < MAX_BATCH:
-                n = blocks_for(self.queue[0].num_tokens + 1 + self.queue[0].headroom, w.info.block_size)
-                if take and need + n > room:
+            for want in self.queue:
+                if len(take) == MAX_BATCH:
                     break
-                take.append(self.queue.popleft())
-                need += n
+                if not want.fits(w):
+                    continue
+                blocks = blocks_for(want.num_tokens + 1 + want.headroom, w.info.block_size)
+                if take and need + blocks > room:
+                    break
+                take.append(want)
+                need += blocks
+            if not take:
+                continue
+            for want in take:
+                self.queue.remove(want)
             batch = next(self.batch_ids)
             seats = [[t.key, t.num_tokens, t.headroom, t.writer] for t in take]
             if self.pool.send(w.worker_id, m.ReserveSeats(batch, seats)):
@@ -130,13 +148,11 @@ class SeatBroker:
         if entry is not None:
             self.queue.extendleft(reversed(entry[1]))
         self.full.pop(worker_id, None)
-        if not any(w.role == "decode" and w.state != "dead" for w in self.pool.workers):
-            self.cancel_all()  # no decode worker will come back: the dispatcher says so to each request
-            return
-        for want in [w for w in self.queue if w.writer == worker_id]:
+        coming = [w for w in self.pool.workers if w.state != "dead"]
+        for want in [w for w in self.queue if w.writer == worker_id or not any(w.fits(x) for x in coming)]:
             self.queue.remove(want)
             if not want.future.done():
-                want.future.set_result(None)  # its writer is gone: place it again
+                want.future.set_result(None)  # its writer is gone, or no worker that may seat it will come back
         self.pump()
 
     def cancel_all(self) -> None:

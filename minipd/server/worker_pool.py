@@ -36,6 +36,7 @@ class WorkerHandle:
     stats: m.WorkerStats | None = None
     role: str = "both"  # the role it has, or gets when it comes back
     state: str = "starting"  # starting | up | restarting | dead
+    draining: bool = False  # its requests are being moved away; it gets no new ones
     last_heard: float = 0.0  # time.monotonic() of its last message
     step_s: float = 0.0  # its last heartbeat: how long the step under way had run
     stalled_s: float = 0.0  # ... how long its loop had not come round outside a step
@@ -164,7 +165,7 @@ class WorkerPool:
             return False
 
     def with_role(self, role: str) -> list[WorkerHandle]:
-        return [w for w in self.workers if w.alive and w.role == role]
+        return [w for w in self.workers if w.alive and w.role == role and not w.draining]
 
     def peers(self) -> dict[int, dict]:
         return {w.worker_id: w.peer() for w in self.workers if w.info is not None}

@@ -1,0 +1,136 @@
+"""Moving running replies between workers (the router's side of a move; the workers' side is a
+handoff whose source is a decode, transfer/handoffs.py). A move asks for a seat on a worker that
+can decode, then tells the worker holding the request to hand it over at its next token boundary.
+The request keeps its key: tokens from both workers are put in order by their index. A move that
+fails on the way is redone by the router from the prompt and the tokens sent (nothing is lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from minipd.workers import messages as m
+
+DECODE_ROLES = ("both", "decode")
+SLACK_TOKENS = 32  # tokens the reply may grow between the seat's size and the boundary where it moves
+KEPT_MOVES = 500
+
+
+@dataclass(slots=True)
+class MoveRecord:
+    request_id: str
+    key: str
+    source: int
+    reason: str  # switch | drain | rebalance
+    start: float  # time.time()
+    target: int | None = None
+    tokens: int = 0  # KV positions that moved
+    bytes: int = 0
+    seconds: float | None = None  # seat granted -> KV imported on the target
+    outcome: str | None = None  # moved | refused | no_seat | ended | failed
+    detail: str | None = None
+
+
+class Mover:
+    def __init__(self, router):
+        self.router = router
+        self.pending: dict[str, tuple[MoveRecord, asyncio.Future]] = {}  # key -> (record, done)
+        self.recent: deque[dict] = deque(maxlen=KEPT_MOVES)
+        self.counts: dict[str, int] = {}
+
+    @staticmethod
+    def can_decode(worker) -> bool:
+        return worker.alive and worker.role in DECODE_ROLES and not worker.draining
+
+    def settled_on(self, state) -> int | None:
+        """The worker a request runs on, if it is not between workers (a handoff or move under way)."""
+        p = state.placement
+        if state.finished or p is None or not p.dispatched or p.reader is not None or p.key in self.pending:
+            return None
+        return p.worker
+
+    def misplaced(self) -> list:
+        """Requests whose worker cannot decode in the current mode (or is being drained)."""
+        workers = self.router.pool.workers
+        return [s for s in self.router.requests.values()
+                if (w := self.settled_on(s)) is not None and not self.can_decode(workers[w])]  # fmt: skip
+
+    async def move_all(self, states: list, reason: str, timeout: float) -> list[MoveRecord]:
+        """Move these requests to workers that can decode, all at once; wait up to `timeout`."""
+        tasks = [self.router.spawn(self.move(s, reason)) for s in states]
+        if not tasks:
+            return []
+        done, _ = await asyncio.wait(tasks, timeout=timeout)
+        return [t.result() for t in done if not t.cancelled() and t.exception() is None]
+
+    async def move(self, state, reason: str, target_roles: tuple[str, ...] = DECODE_ROLES) -> MoveRecord:
+        rec = await self._move(state, reason, target_roles)
+        state.moves.append(asdict(rec))
+        return rec
+
+    async def _move(self, state, reason: str, target_roles: tuple[str, ...]) -> MoveRecord:
+        r = self.router
+        source = self.settled_on(state)
+        rec = MoveRecord(state.request_id, state.placement.key if state.placement else "", source, reason, time.time())
+        if source is None:
+            return self._end(rec, "ended", "the request is not settled on a worker")
+        p = state.placement
+        longest = len(state.prompt_token_ids) + state.params.max_tokens
+        num_tokens = min(len(state.prompt_token_ids) + len(state.output_token_ids) + SLACK_TOKENS, longest)
+        headroom = r.dispatcher._headroom(state, num_tokens)
+        grant = await r.seats.ask(state, p.key, num_tokens, headroom, source, target_roles)
+        if grant is None:
+            return self._end(rec, "no_seat", "no worker that can decode had room, or the request ended")
+        reader, seat = grant
+        rec.target = reader
+        if state.finished or state.placement is not p or p.reader is not None or not r.pool.workers[source].alive:
+            r.pool.send(reader, m.Abort(p.key, writer_done=True))
+            return self._end(rec, "ended", "the request ended or moved while its seat was on the way")
+        p.reader = reader
+        p.first_token_at = time.monotonic()  # the handoff lease runs from here
+        done = asyncio.get_running_loop().create_future()
+        self.pending[p.key] = (rec, done)
+        r.pool.send(source, m.Move(p.key, reader, seat))
+        r.events.publish({"type": "move", "phase": "start", "request_id": state.request_id, "key": p.key,
+                          "from": source, "to": reader, "reason": reason, "time": time.time()})  # fmt: skip
+        return await done
+
+    # ---- what the workers and the router report --------------------------------------------------
+    def arrived(self, key: str, worker_id: int, data: dict) -> None:
+        entry = self.pending.get(key)
+        if entry is not None:
+            rec = entry[0]
+            rec.bytes, rec.seconds = data.get("bytes", 0), data.get("seconds")
+            rec.tokens = data.get("tokens", 0)
+            self.finish(key, "moved")
+
+    def finish(self, key: str, outcome: str, detail: str | None = None) -> None:
+        entry = self.pending.pop(key, None)
+        if entry is None:
+            return
+        rec, done = entry
+        self._end(rec, outcome, detail)
+        if not done.done():
+            done.set_result(rec)
+
+    def _end(self, rec: MoveRecord, outcome: str, detail: str | None = None) -> MoveRecord:
+        rec.outcome, rec.detail = outcome, detail
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        row = asdict(rec)
+        self.recent.append(row)
+        r = self.router
+        r.metrics.moves.labels(r.metrics.model, rec.reason, outcome).inc()
+        if outcome == "moved":
+            r.metrics.move_bytes.labels(r.metrics.model).inc(rec.bytes)
+        r.events.publish({"type": "move", "phase": "end", **row, "time": time.time()})
+        return rec
+
+
+def summary(records: list[MoveRecord]) -> dict:
+    """How a batch of moves went: counts, bytes, the slowest."""
+    moved = [x for x in records if x.outcome == "moved"]
+    return {"moved": len(moved), "not_moved": len(records) - len(moved), "bytes": sum(x.bytes for x in moved),
+            "slowest_move_seconds": max((x.seconds or 0.0 for x in moved), default=None),
+            "outcomes": {o: sum(1 for x in records if x.outcome == o) for o in {x.outcome for x in records}}}  # fmt: skip
