@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass
 
 from minipd.bench.client import run_load
 from minipd.bench.metrics import RequestRecord, distserve_goodput, per_worker, summarize
+from minipd.bench.switching import analyse, switch_on_schedule
 from minipd.bench.target import Target
 from minipd.bench.workloads import BenchRequest, make_workload
 
@@ -32,23 +34,29 @@ class Settings:
 
 
 def parse_modes(text: str) -> list[tuple[str, dict]]:
-    """'colocated,chunked:64,disagg:1p1d' -> [(label, /admin/mode body)]."""
-    out = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        name, _, variant = item.partition(":")
-        if name == "colocated":
-            out.append((item, {"mode": "colocated", "workers": None}))
-        elif name == "chunked":
-            out.append((item, {"mode": "chunked", "chunk_tokens": int(variant or 512), "workers": None}))
-        elif name == "disagg":
-            p, _, d = (variant or "1p1d").lower().removesuffix("d").partition("p")
-            out.append((item, {"mode": "disagg", "prefill_workers": int(p), "decode_workers": int(d),
-                               "kv_link_gbps": None, "kv_link_latency_ms": 0}))  # fmt: skip
-        elif name == "server":
-            out.append((item, {}))
-        else:
-            raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd]")
-    return out
+    """'colocated,chunked:64,disagg:1p1d' -> [(label, /admin/mode body)]; ValueError names a bad item."""
+    return [parse_mode(item) for item in filter(None, (x.strip() for x in text.split(",")))]
+
+
+def parse_mode(item: str) -> tuple[str, dict]:
+    """One mode: colocated, chunked[:TOKENS], disagg[:PpDd] (or server: the server's own) -> (label, body)."""
+    name, _, variant = item.partition(":")
+    if name == "colocated":
+        return item, {"mode": "colocated", "workers": None}
+    if name == "chunked":
+        if variant and not (variant.isdigit() and int(variant) > 0):
+            raise ValueError(f"bad mode {item!r}: chunked:TOKENS needs a positive whole number of tokens")
+        return item, {"mode": "chunked", "chunk_tokens": int(variant or 512), "workers": None}
+    if name == "disagg":
+        split = re.fullmatch(r"(\d+)p(\d+)d?", (variant or "1p1d").lower())
+        if split is None or min(int(split[1]), int(split[2])) < 1:
+            raise ValueError(f"bad mode {item!r}: disagg:PpDd needs P prefill and D decode workers, each >= 1 "
+                             "(e.g. disagg:1p1d)")  # fmt: skip
+        return item, {"mode": "disagg", "prefill_workers": int(split[1]), "decode_workers": int(split[2]),
+                      "kv_link_gbps": None, "kv_link_latency_ms": 0}  # fmt: skip
+    if name == "server":
+        return item, {}
+    raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd]")
 
 
 def workload(name: str, rate: float, s: Settings, max_model_len: int) -> list[BenchRequest]:
@@ -65,17 +73,31 @@ class Interrupted(KeyboardInterrupt):
         self.run = run
 
 
-def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: Settings, **extra) -> dict:
-    """Switch the server to `body` (minipd only), then play the workload at `rate`."""
-    if target.is_minipd and body:
-        target.set_mode(body)
+def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: Settings, *,
+             switches: list[tuple[float, str, dict]] | None = None, start_label: str | None = None,
+             **extra) -> dict:  # fmt: skip
+    """Switch the server to `body` (minipd only), then play the workload at `rate`. With `switches`
+    ([(seconds after the first request, label, /admin/mode body)], switching.parse_switch_at's), the
+    server's mode is switched live at those times while the load plays, and the run gets "switches"
+    and "intervals" (see switching.py); `start_label` names the mode it starts in (default: `label`)."""
+    started_in = target.set_mode(body) if target.is_minipd and body else None
     requests = workload(name, rate, s, target.max_model_len)
     started = time.time()
     got: dict = {}
+    log: list[dict] = []
 
     async def play() -> None:
-        got["records"] = await run_load(target.url, target.model, requests, api_key=target.api_key,
-                                        max_concurrency=s.max_concurrency, seed=s.seed, progress=s.progress)  # fmt: skip
+        stop = asyncio.Event()
+        t0 = time.time() + min((r.arrival for r in requests), default=0.0)  # the first request's send time
+        switcher = asyncio.ensure_future(switch_on_schedule(target.url, target.api_key, switches, t0, log, stop)
+                                         ) if switches else None  # fmt: skip
+        try:
+            got["records"] = await run_load(target.url, target.model, requests, api_key=target.api_key,
+                                            max_concurrency=s.max_concurrency, seed=s.seed, progress=s.progress)  # fmt: skip
+        finally:
+            if switcher is not None:
+                stop.set()  # no switch after the load; one under way is waited for
+                await asyncio.gather(switcher, return_exceptions=True)
 
     interrupted = False
     try:
@@ -89,6 +111,14 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
            "duration": duration, "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms, "records": records,
            "workers": target.num_workers, **extra}  # fmt: skip
     run["summary"] = summarize(records, duration, s.slo_ttft_ms, s.slo_tpot_ms)
+    if switches:
+        t0 = min((r.send_time for r in records), default=started)
+        start_mode = {k: v for k, v in (started_in or {}).items() if k != "switch"} or body
+        run["mode"] = "switching"
+        run["switch_schedule"] = [{"at_s": at, "label": lab, "body": b} for at, lab, b in switches]
+        run["switches_not_sent"] = [f"{at:g}:{lab}" for at, lab, _ in switches[len(log) :]]
+        run["switches"], run["intervals"] = analyse(records, log, t0, start_label or label, start_mode,
+                                                    s.slo_ttft_ms, s.slo_tpot_ms)  # fmt: skip
     if interrupted:
         run["interrupted"] = True
         raise Interrupted(run)

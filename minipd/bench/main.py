@@ -7,6 +7,7 @@ OpenAI-compatible server it runs the one mode that server has, with client-side 
 Timings are taken where the client receives tokens; minipd's timelines are added when present.
 
     python -m minipd bench --quick --workloads chat,summarize --rates 0.2,0.4 --out bench-out
+    python -m minipd bench --quick --rates 2 --duration 20 --switch-at 5:disagg:1p1d,12:colocated  # live switches
 """
 
 from __future__ import annotations
@@ -45,8 +46,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
     g = ap.add_argument_group("experiments")
-    g.add_argument("--modes", default="colocated,chunked:64,disagg:1p1d",
-                   help="minipd modes, run on the same requests: colocated, chunked[:TOKENS], disagg[:PpDd]")
+    g.add_argument(
+        "--modes",
+        default=None,
+        help="minipd modes, run on the same requests: colocated, chunked[:TOKENS], disagg[:PpDd] "
+        "(default: colocated,chunked:64,disagg:1p1d; with --switch-at: the one mode the run starts in, "
+        "default colocated)",
+    )
+    g.add_argument(
+        "--switch-at",
+        default=None,
+        metavar="T:MODE[,T:MODE...]",
+        help="one run (one workload, one rate) during which the server's mode is switched live at T "
+        "seconds after the first request, e.g. 1:disagg:1p1d,2:colocated (MODE as in --modes); the report "
+        "shows each interval between switches and what each switch cost the replies streaming through it",
+    )
+    g.add_argument(
+        "--switch-drain",
+        action="store_true",
+        help="with --switch-at: each switch lets the running requests finish first (drain) instead of moving them",
+    )
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO on time per output token")
     g.add_argument("--goodput-search", action="store_true",
@@ -67,6 +86,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(str(err))
     if args.num_prompts is None and args.duration is None:
         args.num_prompts = 20
+    from minipd.bench.experiment import parse_modes
+    from minipd.bench.switching import parse_switch_at
+
+    if args.switch_drain and not args.switch_at:
+        ap.error("--switch-drain goes with --switch-at")
+    args.modes = args.modes or ("colocated" if args.switch_at else "colocated,chunked:64,disagg:1p1d")
+    try:
+        modes = parse_modes(args.modes)
+        args.switches = parse_switch_at(args.switch_at, args.switch_drain) if args.switch_at else None
+    except ValueError as err:
+        ap.error(str(err))
+    if args.switch_at:
+        others = [flag for flag, on in (("--goodput-search", args.goodput_search), ("--kv-link-gbps", args.kv_link_gbps),
+                                        ("--plan", args.plan)) if on]  # fmt: skip
+        if len(modes) != 1 or not modes[0][1]:
+            ap.error(f"with --switch-at, --modes names the one mode the run starts in (got {args.modes!r})")
+        if "," in args.workloads or "," in args.rates:
+            ap.error("--switch-at makes one run: give one workload and one rate")
+        if others:
+            ap.error(f"--switch-at makes one run of its own; it does not go with {', '.join(others)}")
     if (args.goodput_search or args.plan) and not (args.slo_ttft_ms and args.slo_tpot_ms):
         ap.error("--goodput-search and --plan need --slo-ttft-ms and --slo-tpot-ms")
     return args
@@ -99,8 +138,20 @@ def run(argv=None) -> int:
         target = Target.probe(server.url)
     modes = ex.parse_modes(args.modes) if target.is_minipd else [("server", {})]
     runs, searches, link_runs, notes = [], [], [], {}
+    if args.switches and not target.is_minipd:
+        if server is not None:
+            server.stop()
+        print(f"error: --switch-at needs a minipd server (its /admin/mode); {target.url} is not one", file=sys.stderr)
+        return 2
     try:
-        for name in args.workloads.split(","):
+        if args.switches:
+            start, body = modes[0]
+            label = f"{start} then " + ", ".join(f"{lab}@{at:g}s" for at, lab, _ in args.switches)
+            runs.append(ex.run_once(target, args.workloads, label, body, rates[0], settings, switches=args.switches,
+                                    start_label=start, switch_at=args.switch_at))  # fmt: skip
+            _say(runs[-1])
+            print(report.switch_tables(runs[-1]), file=sys.stderr)
+        for name in [] if args.switches else args.workloads.split(","):
             for rate in rates:
                 for label, body in modes:
                     runs.append(ex.run_once(target, name, label, body, rate, settings))
@@ -116,13 +167,16 @@ def run(argv=None) -> int:
                 body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": gbps}
                 link_runs.append(ex.run_once(target, name, f"disagg@{gbps:g}Gb/s", body, rates[0], settings, link=gbps))
                 _say(link_runs[-1])
-        if target.is_minipd and any(b.get("mode") == "disagg" for _, b in modes) and target.num_workers >= 2:
+        if (target.is_minipd and not args.switches and any(b.get("mode") == "disagg" for _, b in modes)
+                and target.num_workers >= 2):  # fmt: skip
             body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None}
             notes["admission"] = ex.admission_probe(target, settings, body)
         if args.plan and target.is_minipd:
             notes["plan"] = _plan_and_run(target, args, settings, runs)
     except ex.Interrupted as stop:
         runs.append(stop.run)
+        if stop.run.get("switches") is not None:
+            print(report.switch_tables(stop.run), file=sys.stderr)
         notes["interrupted"] = True
         print("interrupted: writing what was measured", file=sys.stderr)
     except KeyboardInterrupt:
@@ -194,6 +248,10 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
     from minipd.bench import experiment as ex
 
     out = []
+    for run in runs:
+        if run.get("switches") is not None:
+            out += [f"## Live mode switches: `{run['label']}` ({run['workload']}, {run['rate']:g} req/s)", "",
+                    report.switch_tables(run), ""]  # fmt: skip
     if searches:
         out += ["## DistServe goodput (highest rate with >= 90% of requests within both SLOs)", "",
                 "| workload | mode | goodput (req/s) | workers | per worker | probes (rate: attainment) |",

@@ -46,14 +46,19 @@ def _plain(x):
     return x
 
 
+SWITCH_SECTIONS = ("switches", "intervals")  # a run with live mode switches (bench --switch-at) has these too
+
+
 def write_results(out_dir: str | Path, runs: list[dict]) -> Path:
-    """results.json: per run, its parameters, its summary and every request's record."""
+    """results.json: per run, its parameters, its summary and every request's record; a run with
+    live mode switches also its "switches" and "intervals" (minipd/bench/switching.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"runs": []}
     for run in runs:
-        params = {k: v for k, v in run.items() if k not in ("records", "summary")}
-        doc["runs"].append({"params": params, "summary": summary_of(run), "records": records_of(run)})
+        params = {k: v for k, v in run.items() if k not in ("records", "summary", *SWITCH_SECTIONS)}
+        doc["runs"].append({"params": params, "summary": summary_of(run), "records": records_of(run),
+                            **{k: run[k] for k in SWITCH_SECTIONS if run.get(k) is not None}})  # fmt: skip
     path = out / RESULTS_FILE
     path.write_text(json.dumps(_plain(doc), indent=1))
     return path
@@ -68,6 +73,7 @@ def load_results(path: str | Path) -> list[dict]:
             run["rate"] = float(run["rate"])
         run["summary"] = r.get("summary")
         run["records"] = [RequestRecord(**d) for d in r["records"]]
+        run.update({k: r[k] for k in SWITCH_SECTIONS if k in r})
         runs.append(run)
     return runs
 
@@ -82,6 +88,13 @@ def _fmt(x, digits: int = 1) -> str:
 
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def switch_tables(run: dict) -> str:
+    """A run with live mode switches: its intervals and switches as markdown tables."""
+    from minipd.bench.switching import tables
+
+    return tables(run)
 
 
 def write_report_md(out_dir: str | Path, runs: list[dict], title: str, command: str, extra: str = "") -> Path:
@@ -172,8 +185,10 @@ def plot_tpot_cdf(path: str | Path, records_by_mode: dict[str, list[RequestRecor
     return plot_cdf(path, samples, "TPOT (ms)", slo_ms, "Time per output token")
 
 
-def plot_timeline(path: str | Path, records: list[RequestRecord], title: str = "", max_rows: int = 300) -> Path:
-    """One row per request (by index): a line from send to end, a tick at each token's arrival; failures red."""
+def plot_timeline(path: str | Path, records: list[RequestRecord], title: str = "", max_rows: int = 300,
+                  marks: list[tuple[float, str]] = ()) -> Path:  # fmt: skip
+    """One row per request (by index): a line from send to end, a tick at each token's arrival; failures red.
+    `marks`: (epoch time, label) drawn as labelled vertical lines (mode switches)."""
     recs = sorted(records, key=lambda r: r.index)[:max_rows]
     fig, ax = _figure(9.0, min(2.0 + 0.12 * len(recs), 40.0))
     t0 = min((r.send_time for r in recs), default=0.0)
@@ -186,6 +201,10 @@ def plot_timeline(path: str | Path, records: list[RequestRecord], title: str = "
         if r.token_times:
             ax.eventplot([[t - t0 for t in r.token_times]], lineoffsets=row, linelengths=0.8, linewidths=0.8,
                          colors=color)  # fmt: skip
+    for when, text in marks:
+        ax.axvline(when - t0, color="tab:orange", linestyle="--", linewidth=1)
+        ax.annotate(text, (when - t0, 0), xycoords=("data", "axes fraction"), xytext=(2, 2), textcoords="offset points",
+                    fontsize=7, color="tab:orange", rotation=90, va="bottom")  # fmt: skip
     ax.set(xlabel="seconds since the first request", ylabel="request", title=title or "Token arrivals")
     ax.set_ylim(len(recs) - 0.5 if recs else 1, -0.5)
     fig.savefig(path, dpi=120)
@@ -235,5 +254,7 @@ def plot_runs(out_dir: str | Path, runs: list[dict]) -> list[Path]:
         made.append(plot_tpot_cdf(out / f"tpot_cdf{sfx}.png", by_mode, s0.get("slo_tpot_ms")))
         for m, run in top.items():
             name = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"timeline_{m}{sfx}.png")
-            made.append(plot_timeline(out / name, by_mode[m], f"{m}, {w}, {_fmt(float(run['rate']), 2)} req/s"))
+            marks = [(sw["sent"], f"-> {sw['label']}") for sw in run.get("switches") or []]
+            made.append(plot_timeline(out / name, by_mode[m], f"{m}, {w}, {_fmt(float(run['rate']), 2)} req/s",
+                                      marks=marks))  # fmt: skip
     return made
