@@ -17,6 +17,7 @@ The KV of a prompt with token T on its way (the middle part is the one numbered 
                                lost, the rest arrives on the new connection
     kv_outage_on_token=T       the link to its decode worker goes silent for kv_outage_s seconds (default 3),
                                from its middle part (in place: from its END) on: nothing can be sent on it meanwhile
+    kv_faults_first_attempt=1  the four above hit only a request's first attempt (key ending in .1): its redo goes through
 """
 
 from __future__ import annotations
@@ -100,10 +101,11 @@ def install(worker) -> None:
         worker.engine.handoff_kv = failing_handoff_kv
     if faults.keys() & set(KV_LINK_FAULTS):
         tokens = {name: int(faults[name]) for name in KV_LINK_FAULTS if name in faults}
-        _install_kv_link_faults(worker.sender, tokens, faults.get("kv_outage_s", 3.0))
+        _install_kv_link_faults(worker.sender, tokens, faults.get("kv_outage_s", 3.0),
+                                bool(faults.get("kv_faults_first_attempt")))
 
 
-def _install_kv_link_faults(sender, tokens: dict[str, int], outage_s: float) -> None:
+def _install_kv_link_faults(sender, tokens: dict[str, int], outage_s: float, first_attempt: bool = False) -> None:
     hit: dict[str, tuple[str, int]] = {}  # key -> (fault, its middle part)
     silent_until: dict[str, float] = {}  # address -> end of its outage
     silenced: set[str] = set()  # keys whose KV met its outage
@@ -112,7 +114,7 @@ def _install_kv_link_faults(sender, tokens: dict[str, int], outage_s: float) -> 
     def write_and_mark(key, kv, meta, *args):
         prompt = meta["token_ids"][: meta["num_prompt_tokens"]]
         for name, token in tokens.items():
-            if token in prompt:
+            if token in prompt and not (first_attempt and not key.endswith(".1")):
                 hit[key] = (name, kv.num_parts // 2)
         return write(key, kv, meta, *args)
 

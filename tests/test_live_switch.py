@@ -1,0 +1,127 @@
+"""The live switch on a real server (main process + 2 worker processes, tiny model): replies that
+stream while the mode changes move to a worker that can decode them, at a token boundary, and
+their text is the text of a run that never switched, greedy and seeded, in every transport. A move
+that fails on the way (KV lost on the wire, a worker killed) is redone, and nothing is left."""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.helpers import serving, stream_completions, wait_for_idle_workers
+
+pytestmark = pytest.mark.slow
+TINY = ("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1")
+PROMPTS = [[5 + i, 17, 29, 41 + i] * (3 + 2 * i) for i in range(8)]
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 99}
+MAX_TOKENS = 250
+
+
+async def streams_with_a_switch(server, body: dict, after_tokens: int = 8, prompts=PROMPTS, **extra):
+    """Stream every prompt (greedy, and the first four seeded as well); once each stream has
+    `after_tokens` tokens, switch with `body`. Returns (greedy results, seeded results, switch answer)."""
+    counts = [0] * (len(prompts) + 4)
+    ready = asyncio.Event()
+
+    def on_token(offset):
+        def count(i):
+            counts[offset + i] += 1
+            if min(counts) >= after_tokens:
+                ready.set()
+
+        return count
+
+    async def switch():
+        await ready.wait()
+        return await asyncio.get_running_loop().run_in_executor(None, server.post, "/admin/mode", body)
+
+    greedy, seeded, answer = await asyncio.gather(
+        stream_completions(server.url, prompts, MAX_TOKENS, on_token(0), **extra),
+        stream_completions(server.url, prompts[:4], MAX_TOKENS, on_token(len(prompts)), **SEEDED, **extra),
+        switch(),
+    )
+    return greedy, seeded, answer
+
+
+def texts(results):
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    return [r["text"] for r in results]
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_switches_under_live_traffic_move_replies_without_changing_a_token(transport):
+    with serving(*TINY, "--kv-transport", transport) as server:
+
+        async def reference():
+            return (texts(await stream_completions(server.url, PROMPTS, MAX_TOKENS)),
+                    texts(await stream_completions(server.url, PROMPTS[:4], MAX_TOKENS, **SEEDED)))  # fmt: skip
+
+        want_greedy, want_seeded = asyncio.run(reference())
+        for body, must_move in (
+            ({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, True),  # worker 0's replies leave it
+            ({"mode": "colocated"}, False),  # every reply's worker can still decode: nothing moves
+            ({"mode": "chunked", "chunk_tokens": 64, "workers": 1}, True),  # worker 1 goes idle
+            ({"mode": "colocated", "workers": 2}, False),
+        ):
+            greedy, seeded, (status, answer) = asyncio.run(streams_with_a_switch(server, body))
+            assert status == 200, answer
+            switch = answer["switch"]
+            assert switch["changed"] and switch["not_moved"] == 0, switch
+            assert (switch["moved"] > 0) == must_move, switch
+            if must_move:
+                assert switch["bytes"] > 0 and switch["serving_after_seconds"] < 1.0, switch
+            assert texts(greedy) == want_greedy, body
+            assert texts(seeded) == want_seeded, body
+            assert server.get("/admin/mode")[1]["last_switch"] == switch
+            if must_move:
+                moved = [t for r in greedy
+                         if (t := server.get(f"/v1/requests/{r['id']}/timeline")[1])["moves"]]  # fmt: skip
+                assert moved and all(m["outcome"] == "moved" for t in moved for m in t["moves"])
+            wait_for_idle_workers(server, 20)
+        same = server.post("/admin/mode", {"mode": "colocated", "workers": 2})[1]["switch"]
+        assert same["changed"] is False and "nothing changed" in same["note"]
+
+
+def test_a_move_whose_kv_is_lost_on_the_wire_is_redone_and_the_text_is_unchanged():
+    env = {**os.environ, "MINIPD_FAULTS": "drop_kv_part_on_token=4,kv_faults_first_attempt=1"}
+    prompts = [[4, 9, 12, 15] * 6, [4, 7, 12, 15] * 6]  # a move of either loses a part of its KV
+    with serving(*TINY, "--kv-transport", "tcp", env=env) as server:
+        want = texts(asyncio.run(stream_completions(server.url, prompts, MAX_TOKENS)))
+        greedy, _, (status, answer) = asyncio.run(streams_with_a_switch(
+            server, {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, prompts=prompts))  # fmt: skip
+        assert status == 200 and texts(greedy) == want
+        timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in greedy]
+        hit = [t for t in timelines if any(m["outcome"] == "failed" for m in t["moves"])]
+        assert hit and all(t["redos"] and "move failed" in t["redos"][0]["cause"] for t in hit), timelines
+        wait_for_idle_workers(server, 20)
+
+
+def test_a_worker_killed_during_a_move_costs_no_reply():
+    """The target dies while the KV is on the (slow, emulated) link: the request is redone from its
+    prompt and the tokens sent; the client sees the same text."""
+    with serving(*TINY, "--kv-transport", "tcp", "--kv-link-gbps", "0.0002") as server:
+        prompts = PROMPTS[:2]
+        want = texts(asyncio.run(stream_completions(server.url, prompts, MAX_TOKENS)))
+        decode_pid = server.get("/admin/workers")[1]["workers"][1]["pid"]
+
+        async def kill_when_moving():
+            while True:
+                workers = server.get("/admin/workers")[1]["workers"]
+                if any(k.startswith("in:") for k in workers[1]["handoffs"]):
+                    os.kill(decode_pid, signal.SIGKILL)
+                    return
+                await asyncio.sleep(0.01)
+
+        async def go():
+            run = asyncio.ensure_future(streams_with_a_switch(
+                server, {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, prompts=prompts))  # fmt: skip
+            await asyncio.wait_for(kill_when_moving(), 60)
+            return await run
+
+        greedy, _, (status, answer) = asyncio.run(go())
+        assert texts(greedy) == want
+        assert status == 200 and answer["switch"]["not_moved"] >= 1, answer
+        time.sleep(0.5)
+        wait_for_idle_workers(server, 60)
