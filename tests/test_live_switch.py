@@ -22,7 +22,8 @@ MAX_TOKENS = 250
 async def streams_with_a_switch(server, body: dict, after_tokens: int = 8, prompts=PROMPTS, **extra):
     """Stream every prompt (greedy, and the first four seeded as well); once each stream has
     `after_tokens` tokens, switch with `body`. Returns (greedy results, seeded results, switch answer)."""
-    counts = [0] * (len(prompts) + 4)
+    seeded = prompts[:4]
+    counts = [0] * (len(prompts) + len(seeded))
     ready = asyncio.Event()
 
     def on_token(offset):
@@ -34,12 +35,12 @@ async def streams_with_a_switch(server, body: dict, after_tokens: int = 8, promp
         return count
 
     async def switch():
-        await ready.wait()
+        await asyncio.wait_for(ready.wait(), 60)
         return await asyncio.get_running_loop().run_in_executor(None, server.post, "/admin/mode", body)
 
     greedy, seeded, answer = await asyncio.gather(
         stream_completions(server.url, prompts, MAX_TOKENS, on_token(0), **extra),
-        stream_completions(server.url, prompts[:4], MAX_TOKENS, on_token(len(prompts)), **SEEDED, **extra),
+        stream_completions(server.url, seeded, MAX_TOKENS, on_token(len(prompts)), **SEEDED, **extra),
         switch(),
     )
     return greedy, seeded, answer
