@@ -126,3 +126,67 @@ def test_a_worker_killed_during_a_move_costs_no_reply():
         assert status == 200 and answer["switch"]["not_moved"] >= 1, answer
         time.sleep(0.5)
         wait_for_idle_workers(server, 60)
+
+
+def _pid_and_incarnation(server, worker_id):
+    w = server.get("/admin/workers")[1]["workers"][worker_id]
+    return w["pid"], w["incarnation"]
+
+
+def _wait_back(server, worker_id, incarnation, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        w = server.get("/admin/workers")[1]["workers"][worker_id]
+        if w["state"] == "up" and w["incarnation"] > incarnation:
+            return w
+        assert time.monotonic() < deadline, w
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["drain_endpoint", "sigterm"])
+def test_a_worker_restarted_for_a_new_setting_costs_nobody_their_reply(how):
+    """`POST /admin/workers/1/drain {"restart": true}`, or SIGTERM to worker 1 alone: its running
+    replies move to worker 0 and go on token for token; then it stops and starts again."""
+    with serving(*TINY) as server:
+        want = texts(asyncio.run(stream_completions(server.url, PROMPTS, MAX_TOKENS)))
+        pid, incarnation = _pid_and_incarnation(server, 1)
+
+        async def go():
+            started = asyncio.Event()
+            run = asyncio.ensure_future(stream_completions(server.url, PROMPTS, MAX_TOKENS, lambda i: started.set()))
+            await started.wait()
+            await asyncio.sleep(0.2)
+            if how == "sigterm":
+                os.kill(pid, signal.SIGTERM)
+                answer = None
+            else:
+                answer = await asyncio.get_running_loop().run_in_executor(
+                    None, server.post, "/admin/workers/1/drain", {"restart": True})  # fmt: skip
+            return await run, answer
+
+        results, answer = asyncio.run(go())
+        assert texts(results) == want
+        if answer is not None:
+            status, outcome = answer
+            assert status == 200 and outcome["moved"] > 0 and outcome["left"] == 0 and outcome["stopped"], outcome
+        timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in results]
+        drained = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "drain"]
+        assert drained and all(mv["outcome"] == "moved" and mv["source"] == 1 for mv in drained)
+        assert not any(t["redos"] for t in timelines), "a reply was redone instead of moved"
+        back = _wait_back(server, 1, incarnation)
+        assert not back["draining"] and "stopped on request" in back["exit_cause"]
+        wait_for_idle_workers(server, 20)
+
+
+def test_a_drained_worker_gets_no_new_request_until_it_is_resumed():
+    with serving(*TINY) as server:
+        status, outcome = server.post("/admin/workers/1/drain", {})
+        assert status == 200 and outcome["moved"] == 0 and not outcome["stopped"]
+        assert server.get("/admin/workers")[1]["workers"][1]["draining"]
+        results = asyncio.run(stream_completions(server.url, PROMPTS[:4], 8))
+        assert all(server.get(f"/v1/requests/{r['id']}/timeline")[1]["decode_worker"] == 0 for r in results)
+        assert server.post("/admin/workers/1/resume", {})[0] == 200
+        results = asyncio.run(stream_completions(server.url, PROMPTS[:4], 8))
+        assert {server.get(f"/v1/requests/{r['id']}/timeline")[1]["decode_worker"] for r in results} == {0, 1}
+        assert server.post("/admin/workers/7/drain", {})[0] == 404
+        assert server.post("/admin/workers/1/drain", {"restart": "yes"})[0] == 400

@@ -143,6 +143,8 @@ class Api:
             web.get("/admin/mode", self.get_mode),
             web.post("/admin/mode", self.post_mode),
             web.get("/admin/workers", self.workers),
+            web.post("/admin/workers/{worker_id}/drain", self.drain_worker),
+            web.post("/admin/workers/{worker_id}/resume", self.resume_worker),
             web.get("/admin/events", self.events),
             web.get("/", self.page),
             web.get("/static/{name}", self.static),
@@ -341,11 +343,45 @@ class Api:
                          "kv_blocks_seated": s.blocks_seated if s else 0, "kv_blocks_booked": s.blocks_booked if s else 0,
                          "kv_blocks_total": w.info.num_blocks if w.info else None,
                          "preemptions": s.num_preempted if s else 0, "handoffs": s.handoffs if s else {},
-                         "step_seconds": round(w.step_s, 3),
+                         "step_seconds": round(w.step_s, 3), "draining": w.draining,
                          "integrity_error": s.integrity_error if s else None})  # fmt: skip
         return web.json_response({"mode": r.mode_report(), "kv_transport": self.kv_transport, "workers": rows,
                                   "seats": {"waiting": r.seats.num_waiting, "batches_sent": r.seats.batches_sent,
                                             "granted": r.seats.seats_granted}})  # fmt: skip
+
+    def _worker(self, request):
+        try:
+            w = self.router.pool.workers[int(request.match_info["worker_id"])]
+        except (ValueError, IndexError):
+            raise NotFound(f"no worker {request.match_info['worker_id']!r}", code="not_found") from None
+        if not w.alive:
+            raise ApiError(f"worker {w.worker_id} is {w.state}, not up", 409)
+        return w
+
+    async def drain_worker(self, request) -> web.Response:
+        """Move the worker's running replies to the others and give it no new ones; {"restart": true}
+        then stops it and it starts again (a restart that costs nobody their reply)."""
+        w = self._worker(request)
+        body = await self._body(request) if request.can_read_body else {}
+        unknown = set(body) - {"restart", "timeout"}
+        if unknown:
+            raise InvalidRequest(f"unknown field(s) {sorted(unknown)}; drain takes restart and timeout",
+                                 param=sorted(unknown)[0])  # fmt: skip
+        restart, timeout = body.get("restart", False), body.get("timeout", 60)
+        if not isinstance(restart, bool):
+            raise InvalidRequest("'restart' must be true or false", param="restart")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
+            raise InvalidRequest("'timeout' must be a number of seconds in (0, 3600]", param="timeout")
+        r = self.router
+        outcome = await asyncio.shield(r.spawn(r.mover.drain_worker(w.worker_id, float(timeout), stop=restart)))
+        return web.json_response(outcome)
+
+    async def resume_worker(self, request) -> web.Response:
+        w = self._worker(request)
+        w.draining = False
+        self.router.events.publish({"type": "worker", "worker": w.worker_id, "state": "up", "time": time.time()})
+        self.router.seats.pump()
+        return web.json_response({"worker": w.worker_id, "draining": False})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: every engine step, transfer, seat, mode switch and worker change.

@@ -115,7 +115,8 @@ class Dispatcher:
                 w = min(live, key=lambda w: (r.load(w.worker_id), (w.worker_id - turn) % n))
                 self.next_turn[role] = w.worker_id + 1
                 return w
-            coming = [w for w in r.pool.workers if w.role == role and w.state in ("starting", "restarting")]
+            coming = [w for w in r.pool.workers  # a drained worker comes back when it is resumed or restarted
+                      if w.role == role and (w.state in ("starting", "restarting") or w.draining and w.alive)]  # fmt: skip
             if not coming:
                 causes = "; ".join(w.exit_cause for w in r.pool.workers if w.role == role and w.exit_cause)
                 r.fail(state, f"no {role} worker is alive" + (f" ({causes})" if causes else ""))

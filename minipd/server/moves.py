@@ -97,6 +97,49 @@ class Mover:
                           "from": source, "to": reader, "reason": reason, "time": time.time()})  # fmt: skip
         return await done
 
+    # ---- a worker that leaves -------------------------------------------------------------------
+    async def drain_worker(self, worker_id: int, timeout: float = 60.0, stop: bool = False) -> dict:
+        """Give the worker no new request, move its replies to the others (those it prefills or
+        receives move once their KV lands), and, with stop=True, stop it afterwards (the supervisor
+        starts it again, as after any exit). Returns what moved and what was left."""
+        r = self.router
+        w = r.pool.workers[worker_id]
+        started, records = time.time(), []
+        w.draining = True
+        r.events.publish({"type": "worker", "worker": worker_id, "state": "draining", "time": started})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while w.alive and loop.time() < deadline and self._holding(worker_id):
+            here = [s for s in self.misplaced() if s.placement.worker == worker_id]
+            batch = await self.move_all(here, "drain", max(0.0, deadline - loop.time()))
+            records += batch
+            if not any(x.outcome == "moved" for x in batch):
+                await asyncio.sleep(0.05)  # nothing moved this round: KV still landing here, or no room elsewhere
+        left = self._holding(worker_id)
+        outcome = {"worker": worker_id, "seconds": time.time() - started, "left": left, "stopped": False,
+                   **summary(records)}  # fmt: skip
+        if stop and w.alive:
+            w.kill_reason = f"stopped on request after its replies were moved away ({left} left to redo)"
+            outcome["stopped"] = r.pool.send(worker_id, m.Shutdown())
+        r.events.publish({"type": "worker", "worker": worker_id, "state": "drained", "time": time.time(), **outcome})
+        return outcome
+
+    def _holding(self, worker_id: int) -> int:
+        return sum(1 for s in self.router.requests.values() if worker_id in s.holders)
+
+    async def on_leaving(self, msg: m.Leaving, settle_s: float = 0.5) -> None:
+        """A worker was sent SIGTERM. If the whole server is stopping (a SIGTERM to the process
+        group reaches every worker), the main process's own drain handles it; else it leaves alone."""
+        r = self.router
+        w = r.pool.workers[msg.worker_id]
+        if msg.incarnation != w.incarnation:
+            return
+        w.leaving = True
+        await asyncio.sleep(settle_s)
+        if not r.accepting or all(x.leaving for x in r.pool.workers if x.alive):
+            return
+        await self.drain_worker(msg.worker_id, stop=True)
+
     # ---- what the workers and the router report --------------------------------------------------
     def arrived(self, key: str, worker_id: int, data: dict) -> None:
         entry = self.pending.get(key)

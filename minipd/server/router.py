@@ -167,6 +167,8 @@ class Router:
             self.switcher.on_ack(msg)
         elif isinstance(msg, m.SeatOverdue):
             self._on_seat_overdue(msg)
+        elif isinstance(msg, m.Leaving):
+            self.spawn(self.mover.on_leaving(msg))
         elif isinstance(msg, (m.Tokens, m.Event, m.RequestError)):
             self._on_request_message(msg)
         else:

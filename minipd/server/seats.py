@@ -67,7 +67,7 @@ class SeatBroker:
             return
         roles = {r for want in self.queue for r in want.roles}
         n = len(self.pool.workers)
-        seating = sorted((w for w in self.pool.workers if w.alive and w.role in roles),
+        seating = sorted((w for w in self.pool.workers if w.alive and w.role in roles and not w.draining),
                          key=lambda w: (self.load(w.worker_id), (w.worker_id - self.turn) % n))  # fmt: skip
         if seating:
             self.turn = seating[0].worker_id + 1

@@ -37,6 +37,7 @@ class WorkerHandle:
     role: str = "both"  # the role it has, or gets when it comes back
     state: str = "starting"  # starting | up | restarting | dead
     draining: bool = False  # its requests are being moved away; it gets no new ones
+    leaving: bool = False  # it was sent SIGTERM (this incarnation)
     last_heard: float = 0.0  # time.monotonic() of its last message
     step_s: float = 0.0  # its last heartbeat: how long the step under way had run
     stalled_s: float = 0.0  # ... how long its loop had not come round outside a step
@@ -97,6 +98,7 @@ class WorkerPool:
         sock.connect(spec.control_address)
         w.process, w.control, w.info, w.stats = proc, sock, None, None
         w.last_heard, w.step_s, w.stalled_s, w.kill_reason = time.monotonic(), 0.0, 0.0, None
+        w.draining = w.leaving = False
         return w
 
     async def start(self, on_message, timeout: float = 300.0) -> None:

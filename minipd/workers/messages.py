@@ -171,6 +171,14 @@ class ModeSet:
 
 
 @message
+class Leaving:
+    """The worker was sent SIGTERM: the main process moves its requests away, then stops it."""
+
+    worker_id: int
+    incarnation: int
+
+
+@message
 class Heartbeat:
     """From a thread of its own, whatever the worker's loop is doing: a long step is not a hang."""
 

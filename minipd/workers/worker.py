@@ -69,6 +69,8 @@ class Worker:
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.kv_in, zmq.POLLIN)
         self.running = True
+        self.leaving = False  # SIGTERM came: tell the main process (once, from the loop)
+        self.said_leaving = False
         self.stuck = False  # the last step could run nothing (no free blocks yet): do not spin
         self.last_stats = self.last_lease_check = 0.0
         self.engine.on_prefill_step = lambda start, tokens, decodes, keys: self.send(
@@ -93,6 +95,10 @@ class Worker:
 
     def send(self, msg) -> None:
         self.out.send(m.encode(msg))
+
+    def leave(self) -> None:
+        """SIGTERM's handler: only a flag (the loop sends the message; a handler must not use the socket)."""
+        self.leaving = True
 
     def _beat(self) -> None:
         sock = self.ctx.socket(zmq.PUSH)  # a socket belongs to one thread
@@ -140,6 +146,10 @@ class Worker:
             self._guarded(self._step)
         if time.monotonic() - self.last_stats > HEARTBEAT_S:
             self._guarded(self.send_stats)
+        if self.leaving and not self.said_leaving:
+            self.said_leaving = True
+            log.warning("worker %d: SIGTERM: asking the main process to move its requests away and stop it", self.id)
+            self.send(m.Leaving(self.id, self.spec.incarnation))
 
     def close(self) -> None:
         """Sockets closed, the shared-memory cache (if any) unlinked."""
