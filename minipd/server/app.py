@@ -143,6 +143,7 @@ class Api:
             web.get("/admin/mode", self.get_mode),
             web.post("/admin/mode", self.post_mode),
             web.get("/admin/workers", self.workers),
+            web.get("/admin/advisor", self.advisor),
             web.post("/admin/workers/{worker_id}/drain", self.drain_worker),
             web.post("/admin/workers/{worker_id}/resume", self.resume_worker),
             web.get("/admin/events", self.events),
@@ -312,6 +313,11 @@ class Api:
         name = body.get("mode", cur.name)
         if not isinstance(name, str):
             raise InvalidRequest("'mode' must be a string", param="mode")
+        if name == "auto":  # the advisor chooses from now on (GET /admin/advisor says what and why)
+            if set(body) - {"mode"}:
+                raise InvalidRequest("'auto' takes no other field: the advisor chooses them", param=sorted(set(body) - {"mode"})[0])
+            self.router.advisor.enable()
+            return web.json_response(self.router.mode_report())
         fields = {}
         for field in ("prefill_workers", "decode_workers", "chunk_tokens", "workers", "local_prefill_tokens"):
             value = body.get(field, getattr(cur, field))  # omitted fields keep their values
@@ -326,7 +332,10 @@ class Api:
             if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
             fields[field] = value
-        outcome = await self.router.set_mode(Mode(name, **fields), drain=drain)
+        mode = Mode(name, **fields)
+        mode.check(len(self.router.pool.workers))
+        self.router.advisor.enable(False)  # a mode chosen by hand ends `auto`
+        outcome = await self.router.set_mode(mode, drain=drain)
         return web.json_response({**self.router.mode.as_dict(), "switch": outcome})
 
     async def workers(self, request) -> web.Response:
@@ -348,6 +357,13 @@ class Api:
         return web.json_response({"mode": r.mode_report(), "kv_transport": self.kv_transport, "workers": rows,
                                   "seats": {"waiting": r.seats.num_waiting, "batches_sent": r.seats.batches_sent,
                                             "granted": r.seats.seats_granted}})  # fmt: skip
+
+    async def advisor(self, request) -> web.Response:
+        a = self.router.advisor
+        return web.json_response({"enabled": a.enabled, "window_s": a.config.window_s,
+                                  "slo_ttft_s": a.config.slo_ttft_s, "slo_tpot_s": a.config.slo_tpot_s,
+                                  "min_gain": a.config.min_gain, "goodput": "predicted as rate x min(1, SLO margin)",
+                                  "decisions": list(a.entries)})  # fmt: skip
 
     def _worker(self, request):
         try:

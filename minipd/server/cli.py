@@ -47,8 +47,15 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds to let running requests finish before exiting")
     g = s.add_argument_group("modes")
-    g.add_argument("--mode", default="colocated", choices=["colocated", "chunked", "disagg"],
-                   help="how prefill and decode share the workers (switch at run time: POST /admin/mode)")
+    g.add_argument("--mode", default="colocated", choices=["colocated", "chunked", "disagg", "auto"],
+                   help="how prefill and decode share the workers (switch at run time: POST /admin/mode); auto: "
+                        "start colocated and let the advisor switch live from measured traffic (GET /admin/advisor)")
+    g.add_argument("--advisor-window", type=float, default=30.0,
+                   help="auto: seconds of traffic behind each decision")
+    g.add_argument("--advisor-min-gain", type=float, default=0.1,
+                   help="auto: the predicted goodput gain (0.1 = 10%%) a switch must promise, twice in a row")
+    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="auto: the TTFT SLO the advisor plans for")
+    g.add_argument("--slo-tpot-ms", type=float, default=100.0, help="auto: the TPOT SLO the advisor plans for")
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked: token budget per step: every running decode, then prompt chunks with the rest (at least a quarter)")
     g.add_argument("--switch-drain-timeout", type=float, default=600.0,
@@ -166,7 +173,7 @@ def preflight(args) -> tuple[list[dict], object]:
         raise UserError(str(err)) from None
     _check_port(args.host, args.port)
     configs = worker_configs(args)
-    mode = Mode(args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens,
+    mode = Mode("colocated" if args.mode == "auto" else args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens,
                 kv_link_gbps=args.kv_link_gbps, kv_link_latency_ms=args.kv_link_latency_ms,
                 local_prefill_tokens=args.local_prefill_tokens)
     try:
@@ -263,7 +270,10 @@ async def serve(args, configs: list[dict], mode) -> None:
         tasks.append(_guard(loop.create_task(supervisor.run()), router, "the supervisor"))
         await router.set_mode(mode)
         router.ready = True
-        log.info("minipd: serving %s in mode %s", name, mode.as_dict())
+        if args.mode == "auto":
+            router.advisor.enable()
+        log.info("minipd: serving %s in mode %s%s", name, mode.as_dict(), " (auto: the advisor decides every "
+                 f"{args.advisor_window:g} s)" if args.mode == "auto" else "")  # fmt: skip
         for w in pool.workers:
             log.info("  worker %d pid %d on %s, role %s, %d KV blocks of %d tokens, KV at %s", w.worker_id, w.pid,
                      w.device, w.role, w.info.num_blocks, w.info.block_size, w.info.kv_address)  # fmt: skip
@@ -296,8 +306,13 @@ def build_router(args, pool, tokenizer, metrics, mode):
 
     limits = Limits(args.max_waiting, args.max_num_seqs, args.kv_transfer_timeout, args.request_timeout,
                     args.decode_headroom_tokens)  # fmt: skip
-    return Router(pool, tokenizer, metrics, limits, switch_drain_timeout=args.switch_drain_timeout,
-                  kv_transport=args.kv_transport, target=mode)  # fmt: skip
+    router = Router(pool, tokenizer, metrics, limits, switch_drain_timeout=args.switch_drain_timeout,
+                    kv_transport=args.kv_transport, target=mode)  # fmt: skip
+    from minipd.server.advisor import AdvisorConfig
+
+    router.advisor.config = AdvisorConfig(args.advisor_window, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
+                                          args.advisor_min_gain)  # fmt: skip
+    return router
 
 
 def _guard(task: asyncio.Task, router, what: str) -> asyncio.Task:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from minipd.detokenizer import TextStream
 from minipd.sampling_params import SamplingParams
+from minipd.server.advisor import Advisor
 from minipd.server.dispatch import Dispatcher
 from minipd.server.errors import Overloaded, Unavailable
 from minipd.server.events import EventLog
@@ -60,6 +61,7 @@ class Router:
         self.dispatcher = Dispatcher(self, self.limits.decode_headroom_tokens)
         self.switcher = ModeSwitcher(self, switch_drain_timeout)
         self.mover = Mover(self)
+        self.advisor = Advisor(self)  # `--mode auto` turns it on
         self.serving = asyncio.Event()  # cleared while the mode switches
         self.workers_changed = asyncio.Event()
         self.accepting = True
@@ -84,6 +86,7 @@ class Router:
         state = RequestState(request_id, prompt_token_ids, params, stream)
         state.deadline = time.monotonic() + lim.request_timeout
         self.requests[request_id] = state
+        self.advisor.on_arrival(state.arrival)
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(prompt_token_ids))
         self.spawn(self.dispatcher.place(state))
         return state
@@ -154,6 +157,7 @@ class Router:
         if isinstance(msg, m.WorkerStats):
             self._on_stats(msg)
         elif isinstance(msg, m.Step):
+            self.advisor.on_step(msg.prefill_tokens, msg.num_decodes, msg.end - msg.start)
             self.events.publish({"type": "step", "worker": msg.worker_id, "time": msg.start, "end": msg.end,
                                  "prefill_tokens": msg.prefill_tokens, "decodes": msg.num_decodes,
                                  "keys": msg.keys, "prefilling": msg.prefilling})  # fmt: skip
@@ -198,6 +202,8 @@ class Router:
             if p.key not in self.mover.pending:  # a move's transfer is the move's, not the prefill's handoff
                 self.relay.event(state, msg)
             if msg.kind == "transfer_end" and msg.worker_id == p.reader:
+                if p.key not in self.mover.pending:
+                    self.advisor.on_transfer(msg.data.get("bytes", 0), msg.data.get("seconds"))
                 self._arrived(state, msg)
             elif msg.kind == "move_refused" and msg.worker_id == p.worker and p.reader == msg.data.get("to"):
                 p.reader, p.first_token_at = None, None  # it stays where it is; its seat goes back
@@ -264,7 +270,8 @@ class Router:
         if error is None:
             self.metrics.e2e.labels(model).observe(state.events["finish"] - state.arrival)
         self.metrics.success.labels(model, state.finish_reason).inc()
-        self.finished[state.request_id] = state.timeline()
+        self.finished[state.request_id] = timeline = state.timeline()
+        self.advisor.on_finished(timeline)
         while len(self.finished) > KEPT_TIMELINES:
             self.finished.popitem(last=False)
         state.deltas.put_nowait(Delta(text, num_tokens, state.finish_reason, error))
@@ -339,6 +346,8 @@ class Router:
         """Starting: the mode the server starts into. Switching: the mode served and the one coming.
         With the last switch's outcome."""
         last = {"last_switch": self.switcher.last} if self.switcher.last is not None else {}
+        if self.advisor.enabled:
+            last["auto"] = True
         if not self.ready:
             return {**(self.target or self.mode).as_dict(), "starting": True}
         if self.target is not None:

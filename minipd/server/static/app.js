@@ -1,6 +1,8 @@
 // minipd's teaching page: live replies, a long prompt, and the engine steps that explain every late token.
 // Plain JS, no build step, no network outside this server. It uses only the public API:
 //   POST /v1/chat/completions (stream), GET|POST /admin/mode, GET /admin/workers, GET /admin/events.
+// A mode switch is live: the workers take their new roles at once and the replies on a worker that can no
+// longer write them move (their KV cache crosses to another worker) while they stream.
 "use strict";
 
 const QUESTIONS = [
@@ -11,6 +13,10 @@ const QUESTIONS = [
 ];
 const COLORS = ["#2f6fde", "#0f9d8a", "#c2417a", "#7a5cc4", "#b0651a", "#3a8f3a"];
 const LONG_COLOR = "#3b4454";
+const HANDOFF_COLOR = "#7a4bd6"; // a prompt's KV, prefill worker -> decode worker
+const MOVE_COLOR = "#0c8a5a"; // a running reply's KV, moved to another worker
+const SWITCH_COLOR = "#1d2330";
+const ADVISOR_COLOR = "#b0651a";
 const REPLY_TOKENS = 120;
 const LONG_REPLY_TOKENS = 8;
 const STALL_RATIO = 3; // a gap this many times the stream's median gap is a stall ...
@@ -24,15 +30,21 @@ const MODES = {
 const S = {
   key: localStorage.getItem("minipd.apiKey") || "",
   mode: null, // what GET /admin/mode says
-  switching: false,
-  workers: [], // [{id, role, state}] from GET /admin/workers
+  switching: false, // this page's POST /admin/mode is under way
+  served: false, // ... and the new mode serves already (its moves go on)
+  workers: [], // [{id, role, state, draining}] from GET /admin/workers
   t0: null, // the scene's start, epoch seconds (Date.now() and the server share the host clock)
   streams: [], // replies and long prompts, in lane order
   byId: new Map(), // request id -> stream
   steps: new Map(), // "worker:time" -> step event
   requests: new Map(), // request id -> {kind: time} from request events
   handoffs: new Map(), // key -> {rid, from, to, start, end, bytes, seconds}
-  marks: [], // mode switches and worker deaths
+  switches: [], // {time, from, to, drain, serving, mode, roles, switched, outcome}: one per mode switch
+  moves: [], // {rid, key, from, to, reason, start, xferStart, xferEnd, end, tokens, bytes, seconds, outcome, detail}
+  pendingMoves: new Map(), // key -> its move, from its start to its end
+  marks: [], // instants: worker changes (draining, lost, ...) and advisor decisions
+  seen: new Set(), // switch, move, worker and advisor events already taken (the feed replays after a reconnect)
+  drawn: [], // what the last draw put on the timeline: switches, moves, marks (for tests and curious readers)
   stalls: [],
   hits: [], // what the pointer can point at, rebuilt on every draw
   charsPerToken: 4.6, // calibrated from the server's prompt_tokens after each long prompt
@@ -40,7 +52,7 @@ const S = {
   feed: null, // the event feed's AbortController
   dirty: true, // something to redraw
 };
-window.minipd = { state: S, stallPoint };
+window.minipd = { state: S, stallPoint, drawn: () => S.drawn };
 
 const $ = (id) => document.getElementById(id);
 const now = () => Date.now() / 1000;
