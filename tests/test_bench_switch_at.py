@@ -17,7 +17,8 @@ from minipd.bench.report import load_results, write_report_md, write_results
 from minipd.bench.switching import analyse, parse_switch_at, split_intervals, switch_cost, tables
 from tests.helpers import serving
 
-DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None, "kv_link_latency_ms": 0}
+DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None, "kv_link_latency_ms": 0,
+          "local_prefill_tokens": 0}
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -351,3 +352,12 @@ def test_switch_at_end_to_end_on_minipd(tmp_path, capsys):
     assert switches[0]["cost"]["moved_per_timelines"] == switches[0]["moved"]
     assert switches[1]["moved"] == 0  # back to colocated: every worker decodes, nothing has to move
     assert (tmp_path / "report.md").read_text().count("### Switches") == 1
+
+
+def test_a_disagg_mode_with_a_local_prefill_threshold_parses_and_a_bad_one_is_named():
+    from minipd.bench.experiment import parse_mode
+
+    assert parse_mode("disagg:1p1d:local256")[1]["local_prefill_tokens"] == 256
+    assert parse_mode("disagg:2p1d")[1]["local_prefill_tokens"] == 0
+    with pytest.raises(ValueError, match="localN"):
+        parse_mode("disagg:1p1d:lokal5")

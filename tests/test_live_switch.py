@@ -190,3 +190,21 @@ def test_a_drained_worker_gets_no_new_request_until_it_is_resumed():
         assert {server.get(f"/v1/requests/{r['id']}/timeline")[1]["decode_worker"] for r in results} == {0, 1}
         assert server.post("/admin/workers/7/drain", {})[0] == 404
         assert server.post("/admin/workers/1/drain", {"restart": "yes"})[0] == 400
+
+
+def test_per_request_disaggregation_prefills_short_prompts_on_the_decode_worker():
+    short, long = [[3, 4, 5] * 3, [6, 7, 8] * 4], [[9, 10, 11] * 40, [12, 13, 14] * 50]
+    with serving(*TINY, "--mode", "disagg", "--local-prefill-tokens", "64") as server:
+        got = asyncio.run(stream_completions(server.url, short + long, 20))
+        timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in got]
+        assert [t["path"] for t in timelines] == ["local"] * 2 + ["remote"] * 2
+        assert all(t["prefill_worker"] == t["decode_worker"] == 1 for t in timelines[:2])  # the decode worker's own
+        assert all(t["kv_transfer"]["bytes"] == 0 for t in timelines[:2])
+        assert all(t["prefill_worker"] == 0 and t["kv_transfer"]["bytes"] > 0 for t in timelines[2:])
+        metrics = server.get("/metrics")[1]
+        assert 'minipd:disagg_placements_total{model_name="tiny-random",path="local"} 2.0' in metrics
+        assert 'minipd:disagg_placements_total{model_name="tiny-random",path="remote"} 2.0' in metrics
+        status, body = server.post("/admin/mode", {"mode": "colocated"})
+        assert status == 200
+        assert texts(asyncio.run(stream_completions(server.url, short + long, 20))) == texts(got)
+        assert server.post("/admin/mode", {"mode": "disagg", "local_prefill_tokens": -1})[0] == 400

@@ -9,10 +9,12 @@ from minipd.engine.block_manager import blocks_for
 from minipd.sampling_params import SamplingParams
 from minipd.transfer.handoffs import Stage
 from minipd.workers import messages as m
+from tests import test_transfer_faults
 from tests.conftest import make_engine
-from tests.test_transfer_faults import event, finished, pair, seen, tokens_of  # noqa: F401 (fixture)
+from tests.test_transfer_faults import event, finished, seen, tokens_of
 from tests.test_worker import of
 
+pair = test_transfer_faults.pair  # the fixture: a prefill and a decode Worker in this process
 GREEDY = {"max_tokens": 30, "temperature": 0.0, "ignore_eos": True}
 SEEDED = {"max_tokens": 30, "temperature": 0.9, "top_p": 0.95, "seed": 1234, "ignore_eos": True}
 PROMPT = list(range(3, 40))

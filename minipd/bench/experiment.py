@@ -39,7 +39,7 @@ def parse_modes(text: str) -> list[tuple[str, dict]]:
 
 
 def parse_mode(item: str) -> tuple[str, dict]:
-    """One mode: colocated, chunked[:TOKENS], disagg[:PpDd] (or server: the server's own) -> (label, body)."""
+    """One mode: colocated, chunked[:TOKENS], disagg[:PpDd[:localN]] (or server: the server's own) -> (label, body)."""
     name, _, variant = item.partition(":")
     if name == "colocated":
         return item, {"mode": "colocated", "workers": None}
@@ -48,15 +48,21 @@ def parse_mode(item: str) -> tuple[str, dict]:
             raise ValueError(f"bad mode {item!r}: chunked:TOKENS needs a positive whole number of tokens")
         return item, {"mode": "chunked", "chunk_tokens": int(variant or 512), "workers": None}
     if name == "disagg":
+        variant, _, local = variant.partition(":")
         split = re.fullmatch(r"(\d+)p(\d+)d?", (variant or "1p1d").lower())
         if split is None or min(int(split[1]), int(split[2])) < 1:
             raise ValueError(f"bad mode {item!r}: disagg:PpDd needs P prefill and D decode workers, each >= 1 "
                              "(e.g. disagg:1p1d)")  # fmt: skip
+        threshold = re.fullmatch(r"local(\d+)", local) if local else None
+        if local and threshold is None:
+            raise ValueError(f"bad mode {item!r}: disagg:PpDd:localN prefills prompts under N tokens on their "
+                             "decode worker (e.g. disagg:1p1d:local256)")  # fmt: skip
         return item, {"mode": "disagg", "prefill_workers": int(split[1]), "decode_workers": int(split[2]),
-                      "kv_link_gbps": None, "kv_link_latency_ms": 0}  # fmt: skip
+                      "kv_link_gbps": None, "kv_link_latency_ms": 0,
+                      "local_prefill_tokens": int(threshold[1]) if threshold else 0}  # fmt: skip
     if name == "server":
         return item, {}
-    raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd]")
+    raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd[:localN]]")
 
 
 def workload(name: str, rate: float, s: Settings, max_model_len: int) -> list[BenchRequest]:

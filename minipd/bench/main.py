@@ -49,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument(
         "--modes",
         default=None,
-        help="minipd modes, run on the same requests: colocated, chunked[:TOKENS], disagg[:PpDd] "
+        help="minipd modes, run on the same requests: colocated, chunked[:TOKENS], disagg[:PpDd[:localN]] (localN: "
+        "prompts under N tokens are prefilled by their decode worker) "
         "(default: colocated,chunked:64,disagg:1p1d; with --switch-at: the one mode the run starts in, "
         "default colocated)",
     )

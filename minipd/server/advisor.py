@@ -152,7 +152,9 @@ class Advisor:
 
     def _measured(self, window: list[Finished]) -> dict:
         cfg = self.config
-        good = [f for f in window if f.ttft is not None and f.ttft <= cfg.slo_ttft_s and (f.tpot or 0.0) <= cfg.slo_tpot_s]
+        good = [
+            f for f in window if f.ttft is not None and f.ttft <= cfg.slo_ttft_s and (f.tpot or 0.0) <= cfg.slo_tpot_s
+        ]
         ttfts = [f.ttft for f in window if f.ttft is not None]
         tpots = [f.tpot for f in window if f.tpot is not None]
         return {"requests": len(window), "goodput": len(good) / cfg.window_s,
@@ -240,7 +242,9 @@ def _local_prefill(p: Profile, t: Traffic, prompts: list[int], threshold: int, p
     share = len(short) / len(prompts)
     ttft = 0.0
     if long:
-        ttft += (1 - share) * prefill_ttft(p, Traffic(t.rate * (1 - share), statistics.fmean(long), t.output_tokens), prefill)
+        ttft += (1 - share) * prefill_ttft(
+            p, Traffic(t.rate * (1 - share), statistics.fmean(long), t.output_tokens), prefill
+        )
     rho = 0.0
     if short:
         local = Traffic(t.rate * share, statistics.fmean(short), t.output_tokens)
