@@ -11,11 +11,15 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from minipd.bench import phases as ph
 from minipd.bench.client import run_load
 from minipd.bench.metrics import RequestRecord, distserve_goodput, per_worker, summarize
 from minipd.bench.switching import analyse, switch_on_schedule
 from minipd.bench.target import Target
-from minipd.bench.workloads import BenchRequest, make_workload
+from minipd.bench.workloads import PHASES, BenchRequest, make_workload, phase_spans
+
+AUTO = {"mode": "auto"}  # POST /admin/mode: the server's advisor chooses the mode from now on
+AUTO_STARTS_IN = {"mode": "colocated", "workers": None}  # as `serve --mode auto` starts
 
 
 @dataclass(slots=True)
@@ -39,7 +43,8 @@ def parse_modes(text: str) -> list[tuple[str, dict]]:
 
 
 def parse_mode(item: str) -> tuple[str, dict]:
-    """One mode: colocated, chunked[:TOKENS], disagg[:PpDd[:localN]] (or server: the server's own) -> (label, body)."""
+    """One mode: colocated, chunked[:TOKENS], disagg[:PpDd[:localN]], auto (the server's advisor
+    chooses and switches live; see run_once) or server (the server's own) -> (label, body)."""
     name, _, variant = item.partition(":")
     if name == "colocated":
         return item, {"mode": "colocated", "workers": None}
@@ -60,9 +65,15 @@ def parse_mode(item: str) -> tuple[str, dict]:
         return item, {"mode": "disagg", "prefill_workers": int(split[1]), "decode_workers": int(split[2]),
                       "kv_link_gbps": None, "kv_link_latency_ms": 0,
                       "local_prefill_tokens": int(threshold[1]) if threshold else 0}  # fmt: skip
+    if name == "auto":
+        if variant:
+            raise ValueError(f"bad mode {item!r}: auto takes no options (the advisor chooses them; the server's "
+                             "--advisor-window and --slo-ttft-ms/--slo-tpot-ms set how)")  # fmt: skip
+        return "auto", dict(AUTO)
     if name == "server":
         return item, {}
-    raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd[:localN]]")
+    raise ValueError(f"unknown mode {item!r}: use colocated, chunked[:TOKENS] or disagg[:PpDd] "
+                     "(disagg:PpDd:localN for per-request disaggregation), or auto")  # fmt: skip
 
 
 def workload(name: str, rate: float, s: Settings, max_model_len: int) -> list[BenchRequest]:
@@ -85,8 +96,17 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
     """Switch the server to `body` (minipd only), then play the workload at `rate`. With `switches`
     ([(seconds after the first request, label, /admin/mode body)], switching.parse_switch_at's), the
     server's mode is switched live at those times while the load plays, and the run gets "switches"
-    and "intervals" (see switching.py); `start_label` names the mode it starts in (default: `label`)."""
+    and "intervals" (see switching.py); `start_label` names the mode it starts in (default: `label`).
+
+    `body` {"mode": "auto"}: the server is set colocated (where `serve --mode auto` starts, whatever
+    the run before left), then auto; after the run the advisor's decisions made during it and the
+    switches it made are fetched into the run's "advisor" (GET /admin/advisor). A run of the phases
+    workload gets "phases": its numbers per phase and overall (phases.phase_rows)."""
+    auto = target.is_minipd and body.get("mode") == "auto"
+    if auto:
+        target.set_mode(AUTO_STARTS_IN)  # turns auto off if it was on: the advisor starts from colocated
     started_in = target.set_mode(body) if target.is_minipd and body else None
+    auto_since = time.time()
     requests = workload(name, rate, s, target.max_model_len)
     started = time.time()
     got: dict = {}
@@ -117,6 +137,17 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
            "duration": duration, "slo_ttft_ms": s.slo_ttft_ms, "slo_tpot_ms": s.slo_tpot_ms, "records": records,
            "workers": target.num_workers, **extra}  # fmt: skip
     run["summary"] = summarize(records, duration, s.slo_ttft_ms, s.slo_tpot_ms)
+    run["request_phases"] = [r.phase for r in requests]  # by request index; results.json puts it in each record
+    sent = [r.send_time - requests[r.index].arrival for r in records if r.index < len(requests)]
+    run["load_start"] = min(sent, default=started)  # epoch time of arrival offset 0 (the client's clock)
+    if name == "phases":
+        run["phase_names"] = list(PHASES)
+        run["phase_spans"] = phase_spans(requests, s.duration, rate)
+    if auto:
+        end = max((r.end_time or r.send_time for r in records), default=time.time())
+        run["advisor"] = fetch_advisor(target, auto_since, end, run["load_start"])
+    if name == "phases":
+        run["phases"] = ph.phase_rows(run)
     if switches:
         t0 = min((r.send_time for r in records), default=started)
         start_mode = {k: v for k, v in (started_in or {}).items() if k != "switch"} or body
@@ -129,6 +160,27 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
         run["interrupted"] = True
         raise Interrupted(run)
     return run
+
+
+def fetch_advisor(target: Target, since: float, until: float, t0: float) -> dict:
+    """GET /admin/advisor after an auto run: its settings, the decisions it made between `since` and
+    `until` (epoch seconds; `at_s` is each one's time after `t0`) and the switches among them."""
+    try:
+        status, got = target.get("/admin/advisor")
+    except OSError as e:
+        status, got = None, f"{type(e).__name__}: {e}"
+    if status != 200 or not isinstance(got, dict):
+        return {"error": f"GET /admin/advisor answered {status}: {str(got)[:300]}", "decisions": [], "switches": 0,
+                "switch_log": []}  # fmt: skip
+    decisions = [{**d, "at_s": d["time"] - t0} for d in got.get("decisions") or []
+                 if isinstance(d.get("time"), (int, float)) and since <= d["time"] <= until]  # fmt: skip
+    switch_log = [{"at_s": d["at_s"], "time": d["time"], "to": d.get("best"), "mode": d["switch_to"],
+                   "decision": d.get("decision"), "outcome": d.get("switch")}
+                  for d in decisions if d.get("switch_to") is not None
+                  and (d.get("switch") or {}).get("changed") is not False]  # fmt: skip
+    return {"enabled": got.get("enabled"), "window_s": got.get("window_s"), "slo_ttft_s": got.get("slo_ttft_s"),
+            "slo_tpot_s": got.get("slo_tpot_s"), "min_gain": got.get("min_gain"), "since": since, "until": until,
+            "decisions": decisions, "switches": len(switch_log), "switch_log": switch_log}  # fmt: skip
 
 
 def goodput_search(target: Target, name: str, label: str, body: dict, s: Settings, lo: float, hi: float,

@@ -1,6 +1,7 @@
 """python -m minipd bench: the same traffic through colocated, chunked and disaggregated serving on
 the same workers, side by side: TTFT, TPOT, ITL, throughput, goodput under SLOs, DistServe's
-goodput (a rate search), the KV-link study and the P:D planner.
+goodput (a rate search), the KV-link study and the P:D planner; with `--workloads phases` and
+`auto` among the modes, the server's advisor against every fixed mode, per phase of the traffic.
 
 It starts `minipd serve` itself (or measures a running server with --url: against another
 OpenAI-compatible server it runs the one mode that server has, with client-side numbers only).
@@ -8,6 +9,8 @@ Timings are taken where the client receives tokens; minipd's timelines are added
 
     python -m minipd bench --quick --workloads chat,summarize --rates 0.2,0.4 --out bench-out
     python -m minipd bench --quick --rates 2 --duration 20 --switch-at 5:disagg:1p1d,12:colocated  # live switches
+    python -m minipd bench --quick --workloads phases --duration 60 --rates 1 --modes colocated,disagg:1p1d,auto \
+        --slo-ttft-ms 2000 --slo-tpot-ms 100 --advisor-window 5  # auto against fixed modes, per phase
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
     g.add_argument("--kv-transport", default=None, choices=["shm", "tcp"],
                    help="for the server this starts (default: shm; tcp with --kv-link-gbps)")
+    g.add_argument("--advisor-window", type=float, default=None,
+                   help="for the server this starts: seconds between the advisor's decisions in mode auto "
+                   "(default: the server's, 30); it is also given --slo-ttft-ms/--slo-tpot-ms")  # fmt: skip
     g = ap.add_argument_group("traffic")
     g.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated: chat, summarize, mixed, fixed (default: chat; fixed when --input-len and "
-        "--output-len are given)",
+        help="comma-separated: chat, summarize, mixed, fixed, phases (chat, then summarize, then chat: a third "
+        "of the run each; reported per phase) (default: chat; fixed when --input-len and --output-len are given)",
     )
     g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
     g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
@@ -50,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--modes",
         default=None,
         help="minipd modes, run on the same requests: colocated, chunked[:TOKENS], disagg[:PpDd[:localN]] (localN: "
-        "prompts under N tokens are prefilled by their decode worker) "
+        "prompts under N tokens are prefilled by their decode worker), auto (the server's advisor switches live, "
+        "starting colocated; its decisions are kept with the run) "
         "(default: colocated,chunked:64,disagg:1p1d; with --switch-at: the one mode the run starts in, "
         "default colocated)",
     )
@@ -117,6 +124,7 @@ def run(argv=None) -> int:
     import json
 
     from minipd.bench import experiment as ex
+    from minipd.bench import phases as ph
     from minipd.bench import report
     from minipd.bench.server_process import ServerProcess
     from minipd.bench.target import Target
@@ -132,6 +140,11 @@ def run(argv=None) -> int:
     else:
         transport = args.kv_transport or ("tcp" if links else "shm")
         extra = ["--model", args.model] if args.model else []
+        if args.advisor_window is not None:
+            extra += ["--advisor-window", str(args.advisor_window)]
+        # the advisor (mode auto) plans for the SLOs this bench measures
+        extra += [x for flag, v in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms))
+                  if v is not None for x in (flag, str(v))]  # fmt: skip
         print(f"starting minipd serve ({args.workers} workers, {args.threads_per_worker} thread each, {transport})",
               file=sys.stderr)  # fmt: skip
         server = ServerProcess("--workers", str(args.workers), "--threads-per-worker", str(args.threads_per_worker),
@@ -157,6 +170,10 @@ def run(argv=None) -> int:
                 for label, body in modes:
                     runs.append(ex.run_once(target, name, label, body, rate, settings))
                     _say(runs[-1])
+                if name == "phases":
+                    group = [r for r in runs if r["workload"] == name and r["rate"] == rate]
+                    ph.attach_comparisons(group)
+                    print(report.phase_tables(group), file=sys.stderr)
             if args.goodput_search:
                 for label, body in modes:
                     found = ex.goodput_search(target, name, label, body, settings, lo=min(rates), hi=8 * max(rates),
@@ -186,6 +203,7 @@ def run(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
+    ph.attach_comparisons(runs)
     everything = runs + link_runs + [r for s in searches for r in s["runs"]]
     report.write_results(args.out, everything)
     report.plot_runs(args.out, runs)
@@ -205,6 +223,17 @@ def _say(run: dict) -> None:
     print(f"{run['workload']:>9} {run['label']:>18} @ {run['rate']:g} req/s: {s['completed']}/{s['num_requests']} done, "
           f"TTFT p50 {s['median_ttft_ms'] or 0:.0f} ms, TPOT p50 {s['median_tpot_ms'] or 0:.0f} ms{att}",
           file=sys.stderr)  # fmt: skip
+    adv = run.get("advisor")
+    if adv is not None:
+        note = adv.get("error") or (f"{len(adv['decisions'])} decisions, {adv['switches']} switch(es) during the run"
+                                    + "".join(f"; {sw['at_s']:.1f} s -> {sw['to']}" for sw in adv["switch_log"]))  # fmt: skip
+        print(f"{'':>9} the advisor: {note}", file=sys.stderr)
+        for flag, ours, key in (("--slo-ttft-ms", run.get("slo_ttft_ms"), "slo_ttft_s"),
+                                ("--slo-tpot-ms", run.get("slo_tpot_ms"), "slo_tpot_s")):  # fmt: skip
+            theirs = adv.get(key)
+            if ours is not None and theirs is not None and abs(theirs * 1e3 - ours) > 1e-6:
+                print(f"{'':>9} note: the server's advisor plans for {flag} {theirs * 1e3:g}, this bench measures "
+                      f"{ours:g} (start the server with the same {flag})", file=sys.stderr)  # fmt: skip
 
 
 def _plan_and_run(target, args, settings, runs) -> dict:
@@ -249,6 +278,9 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
     from minipd.bench import experiment as ex
 
     out = []
+    phase_text = report.phase_tables(runs)
+    if phase_text:
+        out += ["## Phases: auto against the fixed modes", "", phase_text, ""]
     for run in runs:
         if run.get("switches") is not None:
             out += [f"## Live mode switches: `{run['label']}` ({run['workload']}, {run['rate']:g} req/s)", "",

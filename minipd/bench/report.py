@@ -20,7 +20,12 @@ REPORT_FILE = "report.md"
 
 
 def records_of(run: dict) -> list[RequestRecord]:
-    return [r if isinstance(r, RequestRecord) else RequestRecord(**r) for r in run.get("records", [])]
+    return [r if isinstance(r, RequestRecord) else _record(r) for r in run.get("records", [])]
+
+
+def _record(d: dict) -> RequestRecord:
+    """A record from its results.json dict (without "phase", which the run keeps as request_phases)."""
+    return RequestRecord(**{k: v for k, v in d.items() if k != "phase"})
 
 
 def label_of(run: dict) -> str:
@@ -47,18 +52,28 @@ def _plain(x):
 
 
 SWITCH_SECTIONS = ("switches", "intervals")  # a run with live mode switches (bench --switch-at) has these too
+PHASE_SECTIONS = ("phases", "phase_comparison", "advisor")  # the phases workload; an auto run (bench/phases.py)
+SECTIONS = SWITCH_SECTIONS + PHASE_SECTIONS
 
 
 def write_results(out_dir: str | Path, runs: list[dict]) -> Path:
-    """results.json: per run, its parameters, its summary and every request's record; a run with
-    live mode switches also its "switches" and "intervals" (minipd/bench/switching.py)."""
+    """results.json: per run, its parameters, its summary and every request's record (with its
+    "phase" where the run has request_phases); a run with live mode switches also its "switches" and
+    "intervals" (minipd/bench/switching.py); a run of the phases workload its "phases" (a row per
+    phase and overall), an auto run its "advisor" (the decisions made during it) and, beside fixed
+    modes on the same requests, its "phase_comparison" (minipd/bench/phases.py)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"runs": []}
     for run in runs:
-        params = {k: v for k, v in run.items() if k not in ("records", "summary", *SWITCH_SECTIONS)}
-        doc["runs"].append({"params": params, "summary": summary_of(run), "records": records_of(run),
-                            **{k: run[k] for k in SWITCH_SECTIONS if run.get(k) is not None}})  # fmt: skip
+        params = {k: v for k, v in run.items() if k not in ("records", "summary", "request_phases", *SECTIONS)}
+        records = _plain(records_of(run))
+        phases = run.get("request_phases")
+        if phases is not None:
+            for d in records:
+                d["phase"] = phases[d["index"]] if 0 <= d["index"] < len(phases) else None
+        doc["runs"].append({"params": params, "summary": summary_of(run), "records": records,
+                            **{k: run[k] for k in SECTIONS if run.get(k) is not None}})  # fmt: skip
     path = out / RESULTS_FILE
     path.write_text(json.dumps(_plain(doc), indent=1))
     return path
@@ -72,8 +87,13 @@ def load_results(path: str | Path) -> list[dict]:
         if isinstance(run.get("rate"), str):
             run["rate"] = float(run["rate"])
         run["summary"] = r.get("summary")
-        run["records"] = [RequestRecord(**d) for d in r["records"]]
-        run.update({k: r[k] for k in SWITCH_SECTIONS if k in r})
+        run["records"] = [_record(d) for d in r["records"]]
+        if r["records"] and all("phase" in d for d in r["records"]):
+            phases = [None] * (1 + max(d["index"] for d in r["records"]))
+            for d in r["records"]:
+                phases[d["index"]] = d["phase"]
+            run["request_phases"] = phases
+        run.update({k: r[k] for k in SECTIONS if k in r})
         runs.append(run)
     return runs
 
@@ -95,6 +115,14 @@ def switch_tables(run: dict) -> str:
     from minipd.bench.switching import tables
 
     return tables(run)
+
+
+def phase_tables(runs: list[dict]) -> str:
+    """Runs of the phases workload: per (workload, rate) a table per phase and mode, and auto against
+    the fixed modes (minipd/bench/phases.py); "" when none has phases."""
+    from minipd.bench.phases import tables
+
+    return tables(runs)
 
 
 def write_report_md(out_dir: str | Path, runs: list[dict], title: str, command: str, extra: str = "") -> Path:

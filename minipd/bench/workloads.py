@@ -20,6 +20,13 @@ mixed
     Each request is a summarize request with probability MIXED_SUMMARIZE_FRACTION, else chat.
 fixed
     Every request has the given input_len and output_len.
+phases
+    Traffic that changes phase: the run is cut into three equal parts (PHASES): chat, then summarize
+    (long documents: long prompts, short replies), then chat again. Each phase has arrivals of its own
+    at the run's rate and lengths drawn as its workload's, from random streams of its own; each
+    request carries its phase's index (0, 1, 2). With a duration each phase lasts a third of it; with
+    num_prompts alone each has a third of the requests and starts one mean gap after the last
+    request of the one before (phase_spans gives the spans either way).
 
 `quick=True` scales lengths down so one request takes seconds on a 2-core CPU with a 135M model:
 chat prompts 50..300 (median 120), replies 16..64 (median 32); summarize prompts 600..1500
@@ -38,7 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("chat", "summarize", "mixed", "fixed")
+WORKLOADS = ("chat", "summarize", "mixed", "fixed", "phases")
+PHASES = ("chat", "summarize", "chat")  # the phases workload's phases, in order, each a third of the run
 MIXED_SUMMARIZE_FRACTION = 0.2
 VLLM_SHAREGPT_MAX_TOTAL = 2048  # vLLM keeps ShareGPT pairs with prompt + output <= 2048
 
@@ -49,6 +57,7 @@ class BenchRequest:
     prompt_len: int
     output_len: int
     arrival: float  # seconds after the run's start
+    phase: int = 0  # the phases workload: the index of the phase the request belongs to (PHASES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +169,8 @@ def make_workload(
     """The requests of one run, sorted by arrival; bounded by `num_prompts`, `duration` or both."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    if name == "phases":
+        return _phases(num_prompts, duration, rate, burstiness, seed, quick, max_model_len)
     arrivals = arrival_times(
         np.random.default_rng([seed, 3]), rate=rate, burstiness=burstiness, num_prompts=num_prompts, duration=duration
     )
@@ -186,6 +197,51 @@ def make_workload(
         p, o = clip_to_model_len(int(prompts[i]), int(outputs[i]), max_model_len)
         out.append(BenchRequest(index=i, prompt_len=p, output_len=o, arrival=float(arrivals[i])))
     return out
+
+
+def _phases(num_prompts: int | None, duration: float | None, rate: float, burstiness: float, seed: int,
+            quick: bool, max_model_len: int) -> list[BenchRequest]:  # fmt: skip
+    """The phases workload (see the module's docstring): PHASES one after the other."""
+    if num_prompts is None and duration is None:
+        raise ValueError("give num_prompts or duration")
+    k = len(PHASES)
+    counts = [num_prompts // k + (i < num_prompts % k) for i in range(k)] if duration is None else [None] * k
+    out: list[BenchRequest] = []
+    start = 0.0
+    for phase, kind in enumerate(PHASES):
+        arrivals = arrival_times(np.random.default_rng([seed, 3, 100 + phase]), rate=rate, burstiness=burstiness,
+                                 num_prompts=counts[phase], duration=None if duration is None else duration / k)  # fmt: skip
+        n = len(arrivals)
+        prompt_dist, output_dist = LENGTHS[(kind, quick)]
+        prompts = prompt_dist.sample(np.random.default_rng([seed, 0, 100 + phase]), n)
+        outputs = output_dist.sample(np.random.default_rng([seed, 1, 100 + phase]), n)
+        if kind == "chat" and not quick:
+            outputs = np.minimum(outputs, np.maximum(4, VLLM_SHAREGPT_MAX_TOTAL - prompts))
+        if duration is not None:
+            start = phase * duration / k
+        for i in range(n):
+            p, o = clip_to_model_len(int(prompts[i]), int(outputs[i]), max_model_len)
+            out.append(BenchRequest(len(out), p, o, start + float(arrivals[i]), phase))
+        if duration is None:
+            start += (float(arrivals[-1]) if n else 0.0) + (0.0 if math.isinf(rate) else 1.0 / rate)
+    return out[:num_prompts] if num_prompts is not None else out
+
+
+def phase_spans(requests: list[BenchRequest], duration: float | None, rate: float) -> list[tuple[float, float]]:
+    """(start, end) in seconds after the run's start of each phase of a phases workload's `requests`.
+    With a duration: equal thirds of it. Else each phase from its first arrival to the next phase's
+    (the last one to its last arrival plus one mean gap at `rate`)."""
+    k = len(PHASES)
+    if duration is not None:
+        return [(i * duration / k, (i + 1) * duration / k) for i in range(k)]
+    firsts: list[float | None] = [min((r.arrival for r in requests if r.phase == i), default=None) for i in range(k)]
+    last = max((r.arrival for r in requests), default=0.0) + (0.0 if math.isinf(rate) else 1.0 / rate)
+    spans: list[tuple[float, float]] = []
+    for i in range(k):
+        lo = firsts[i] if firsts[i] is not None else (spans[-1][1] if spans else 0.0)
+        hi = next((f for f in firsts[i + 1 :] if f is not None), last)
+        spans.append((lo, max(lo, hi)))
+    return spans
 
 
 def prompt_token_ids(req: BenchRequest, seed: int, vocab_size: int = 49152) -> list[int]:
