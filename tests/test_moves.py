@@ -6,12 +6,10 @@ called off leaves no block on either side."""
 import pytest
 
 from minipd.engine.block_manager import blocks_for
-from minipd.sampling_params import SamplingParams
 from minipd.transfer.handoffs import Stage
 from minipd.workers import messages as m
 from tests import test_transfer_faults
-from tests.conftest import make_engine
-from tests.test_transfer_faults import event, finished, seen, tokens_of
+from tests.test_transfer_faults import event, finished, greedy, seen, tokens_of
 from tests.test_worker import of
 
 pair = test_transfer_faults.pair  # the fixture: a prefill and a decode Worker in this process
@@ -21,12 +19,7 @@ PROMPT = list(range(3, 40))
 
 
 def unmoved(model, params: dict) -> list[int]:
-    engine = make_engine(model)
-    engine.add_request("r", PROMPT, SamplingParams.from_dict(params))
-    out = []
-    while engine.has_unfinished():
-        out += [t for o in engine.step() for t in o.new_token_ids]
-    return out
+    return greedy(model, PROMPT, params)
 
 
 def move(pair, key: str, made: int, slack: int = 32) -> list[int]:

@@ -107,9 +107,10 @@ def tokens_of(key, got) -> list[int]:
     return [t for x in replies for t in x.token_ids]
 
 
-def greedy(model, prompt: list[int]) -> list[int]:
+def greedy(model, prompt: list[int], params: dict = PARAMS) -> list[int]:
+    """The reply of one engine that runs the request alone (with `params`, sampled too)."""
     engine = make_engine(model)
-    engine.add_request("r", prompt, SamplingParams.from_dict(PARAMS))
+    engine.add_request("r", prompt, SamplingParams.from_dict(params))
     out = []
     while engine.has_unfinished():
         out += [t for o in engine.step() for t in o.new_token_ids]
