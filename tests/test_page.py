@@ -1,6 +1,8 @@
 """The teaching page at / in a real headless Chromium (Debian's `chromium`, driven by Playwright),
 against a real server: replies stream, the mode button switches the mode, and in colocated a long
-prompt's prefill freezes the replies on its worker, which the page marks as stalls and explains."""
+prompt's prefill freezes the replies on its worker, which the page marks as stalls and explains.
+A mode button pressed while replies stream changes the worker lanes at once, and the timeline
+draws the switch and every reply that moved (with where its KV went)."""
 
 from __future__ import annotations
 
@@ -64,7 +66,8 @@ def test_page_shows_the_stall_and_explains_it(browser, tmp_path):
         page.wait_for_selector("#mode[data-mode=chunked]", timeout=30_000)  # the page shows GET /admin/mode
         page.click("[data-set-mode=colocated]")
         page.wait_for_selector("#mode[data-mode=colocated]", timeout=120_000)
-        assert server.get("/admin/mode") == (200, {"mode": "colocated"})
+        status, mode = server.get("/admin/mode")
+        assert status == 200 and mode["mode"] == "colocated" and mode["last_switch"]["changed"], mode
 
         page.click("#start")  # 4 replies (the default)
         page.wait_for_function(ALL_REPLIES_GOING, timeout=60_000)
@@ -131,3 +134,68 @@ def page_with_a_key(browser, server: ServerProcess) -> None:
     # the only errors are the browser's own notes on the 401s before the key was given
     assert all("401" in e for e in page.errors), page.errors
     page.close()
+
+
+def test_a_mode_button_while_replies_stream_moves_them_and_the_page_draws_it(browser):
+    """Colocated on 2 workers, 4 replies streaming (slowed to ~50 ms a token, so they outlive the switch)
+    and a long prompt just sent: "disagg (1P + 1D)" makes worker 0 a prefill worker, so the replies on it
+    move to worker 1. The lanes show the new roles while the replies still stream; the timeline draws
+    the switch (its label, its duration, what moved) and one arrow per moved reply from worker 0 to
+    worker 1; the cards say where each moved reply's KV went; every reply still gets all its tokens.
+    With 5 streams and the event feed the browser's 6 connections are taken: the feed gives its own
+    up for the switch and replays what it missed (the moves are drawn from the feed's events)."""
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "colocated",
+                 env={"MINIPD_FAULTS": "slow_step_s=0.05"}) as server:  # fmt: skip
+        page = open_page(browser, server.url)
+        page.wait_for_selector("#mode[data-mode=colocated]", timeout=30_000)
+        page.click("#start")  # 4 replies of 120 tokens
+        page.wait_for_function(ALL_REPLIES_GOING, timeout=30_000)
+        page.select_option("#long-len", "3000")
+        page.click("#long")
+        assert page.is_enabled("[data-set-mode=disagg]")  # a switch no longer waits for the replies
+        running = "minipd.state.streams.filter(s => !s.done).length"
+        crowded = page.evaluate(f"window.feedBefore = minipd.state.feed; {running}")
+        page.click("[data-set-mode=disagg]")
+
+        # at once: the lanes take the new roles while the replies still stream
+        page.wait_for_function("minipd.state.workers.map(w => w.role).join() === 'prefill,decode'", timeout=10_000)
+        assert page.evaluate(f"!({ALL_DONE})"), "the replies ended before the lanes changed"
+        page.wait_for_selector("#mode[data-mode=disagg]", timeout=10_000)
+
+        # the switch and its moves on the timeline, on the steps' time axis
+        page.wait_for_function("minipd.drawn().some(d => d.kind === 'switch' && d.detail.includes('moved'))",
+                               timeout=20_000)  # fmt: skip
+        page.wait_for_function("+document.getElementById('timeline').dataset.moves >= 1", timeout=20_000)
+        page.wait_for_function(ALL_DONE, timeout=60_000)
+        page.wait_for_timeout(300)  # a redraw
+        if crowded == 5:
+            assert page.evaluate("window.feedBefore !== minipd.state.feed")  # the feed gave way and came back
+
+        drawn = page.evaluate("minipd.drawn()")
+        switches = [d for d in drawn if d["kind"] == "switch"]
+        assert len(switches) == 1, switches
+        sw = switches[0]
+        assert sw["label"] == "→ disagg 1P1D" and sw["roles"] == ["prefill", "decode"], sw
+        answer = server.get("/admin/mode")[1]["last_switch"]
+        assert answer["changed"] and answer["moved"] >= 1, answer
+        assert sw["detail"].startswith(page.evaluate(f"fmtS({answer['seconds']})")), (sw, answer)
+        assert f"moved {answer['moved']} (" in sw["detail"], (sw, answer)
+        moves = [d for d in drawn if d["kind"] == "move"]
+        assert len([m for m in moves if m["outcome"] == "moved"]) == answer["moved"], moves
+        assert all((m["from"], m["to"]) == (0, 1) for m in moves if m["outcome"] == "moved"), moves
+        steps = page.evaluate("[...minipd.state.steps.values()].map(s => [s.time, s.end])")
+        assert min(t for t, _ in steps) < sw["time"] < max(e for _, e in steps)  # one time axis with the steps
+        assert sw["x"] > 150  # inside the plot, right of the lane names
+
+        # the moved replies say where their KV went; none lost a token
+        cards = page.locator(".card")
+        moved_cards = [cards.nth(i) for i in range(cards.count()) if cards.nth(i).get_attribute("data-moved")]
+        assert len(moved_cards) == answer["moved"], [cards.nth(i).inner_text() for i in range(cards.count())]
+        for card in moved_cards:
+            assert card.get_attribute("data-moved") == "0→1"
+            assert "worker 0 → 1" in card.locator(".stats").inner_text() and "moved" in card.inner_text()
+        assert page.evaluate("minipd.state.streams.map(s => s.timeline.output_tokens)") == [120] * 4 + [8]
+        assert page.evaluate("minipd.state.handoffs.size") == 0  # a move's KV transfer is drawn as the move
+        assert "moved to another worker" in page.inner_text("#message"), page.inner_text("#message")
+        assert page.errors == []
+        page.close()

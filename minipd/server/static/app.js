@@ -43,7 +43,8 @@ const S = {
   moves: [], // {rid, key, from, to, reason, start, xferStart, xferEnd, end, tokens, bytes, seconds, outcome, detail}
   pendingMoves: new Map(), // key -> its move, from its start to its end
   marks: [], // instants: worker changes (draining, lost, ...) and advisor decisions
-  seen: new Set(), // switch, move, worker and advisor events already taken (the feed replays after a reconnect)
+  seen: new Set(), // events already taken, but steps (the feed replays after a reconnect)
+  since: 0, // the newest event's time: the feed picks up from here
   drawn: [], // what the last draw put on the timeline: switches, moves, marks (for tests and curious readers)
   stalls: [],
   hits: [], // what the pointer can point at, rebuilt on every draw
@@ -119,7 +120,8 @@ async function loadMode() {
 
 async function loadWorkers() {
   try {
-    S.workers = (await (await api("/admin/workers")).json()).workers.map((w) => ({ id: w.id, role: w.role, state: w.state }));
+    S.workers = (await (await api("/admin/workers")).json()).workers
+      .map((w) => ({ id: w.id, role: w.role, state: w.state, draining: w.draining }));
   } catch (e) { /* the mode call says why */ }
   S.dirty = true;
 }
@@ -127,17 +129,67 @@ async function loadWorkers() {
 async function setMode(name) {
   const body = MODES[name];
   S.switching = true;
+  S.served = false;
   renderMode();
-  say(`Switching to ${name}: the server lets running requests finish, re-roles the workers, then serves again…`);
+  say(`Switching to ${name}: the workers take their new roles at once; a reply on a worker that can no longer ` +
+    "write it moves, with its KV cache, to one that can, and goes on streaming…");
+  // A browser opens at most 6 connections to a server: with 5 streams and the event feed, the switch would wait
+  // for a stream to end. The feed gives its connection up meanwhile and replays what it missed afterwards.
+  const crowded = S.streams.filter((s) => !s.done).length >= 5;
+  if (crowded && S.feed) S.feed.abort();
   try {
-    S.mode = await (await api("/admin/mode", { method: "POST", body: JSON.stringify(body) })).json();
-    say(`Now ${modeLabel(S.mode)}.`);
+    const answer = await (await api("/admin/mode", { method: "POST", body: JSON.stringify(body) })).json();
+    S.mode = answer;
+    applyRoles(answer);
+    if (answer.switch) switchAnswered(answer.switch);
+    say(switchText(answer));
   } catch (e) {
     say("The switch failed: " + e.message, true);
   }
+  if (crowded) followEvents(S.since - 1);
   S.switching = false;
-  await loadWorkers();
   renderMode();
+  await loadWorkers();
+}
+
+function switchText(answer) {
+  const sw = answer.switch;
+  if (!sw || !sw.changed) return `Already ${modeLabel(answer)}: nothing changed.`;
+  let text = `Now ${modeLabel(answer)}: serving again after ${fmtS(sw.serving_after_seconds ?? sw.seconds)}`;
+  if (sw.moved || sw.not_moved) {
+    text += `; ${sw.moved} repl${sw.moved === 1 ? "y" : "ies"} moved to another worker (${fmtBytes(sw.bytes)} of KV, ` +
+      `slowest ${fmtS(sw.slowest_move_seconds)})`;
+    if (sw.not_moved) text += `, ${sw.not_moved} not (${Object.entries(sw.outcomes || {}).filter(([o]) => o !== "moved")
+      .map(([o, n]) => `${n} ${o}`).join(", ")})`;
+  } else text += "; no reply had to move";
+  return text + `; all done in ${fmtS(sw.seconds)}.`;
+}
+
+// The roles the server gives its workers in a mode (Mode.roles in server/modes.py).
+function rolesOf(m, n) {
+  if (m.mode === "disagg") {
+    const p = m.prefill_workers;
+    const d = m.decode_workers;
+    return Array.from({ length: n }, (_, i) => (i < p ? "prefill" : i < p + d ? "decode" : "idle"));
+  }
+  const active = m.workers || n;
+  return Array.from({ length: n }, (_, i) => (i < active ? "both" : "idle"));
+}
+
+// The lanes show the new roles as soon as the new mode serves (GET /admin/workers confirms them after).
+function applyRoles(m) {
+  const roles = rolesOf(m, S.workers.length);
+  for (const w of S.workers) w.role = roles[w.id] ?? w.role;
+  S.dirty = true;
+  return roles;
+}
+
+// "disagg 1P1D", "chunked 64", "colocated": a mode in a few characters, for the timeline
+function shortMode(m) {
+  if (!m) return "?";
+  if (m.mode === "disagg") return `disagg ${m.prefill_workers}P${m.decode_workers}D`;
+  if (m.mode === "chunked") return `chunked ${m.chunk_tokens}` + (m.workers ? ` ×${m.workers}` : "");
+  return m.mode + (m.workers ? ` ×${m.workers}` : "");
 }
 
 function modeLabel(m) {
@@ -162,16 +214,19 @@ const MODE_TEXT = {
     `${workers(m.decode_workers)} only write replies, so no reply ever waits behind a prompt. The price is the ` +
     "prompt's notes (its KV cache) crossing from one worker to the other: the purple arrows, with their size and time.",
 };
+const SWITCH_TEXT = " A mode button works while replies stream: the black line is the switch, the workers' new roles " +
+  "show at once, and a reply on a worker that can no longer write it moves there with its KV cache (the green arrows).";
 
 const workers = (n) => (n === 1 ? "one worker" : `${n} workers`);
 
 function renderMode() {
   const badge = $("mode");
-  badge.textContent = S.switching ? "switching…" : modeLabel(S.mode);
-  badge.dataset.mode = S.switching || !S.mode ? "" : S.mode.mode;
+  const waiting = S.switching && !S.served; // the new mode does not serve yet
+  badge.textContent = waiting ? "switching…" : modeLabel(S.mode) + (S.switching ? " · moving replies…" : "");
+  badge.dataset.mode = waiting || !S.mode ? "" : S.mode.mode;
   badge.classList.toggle("busy", S.switching);
   const text = S.mode && MODE_TEXT[S.mode.mode];
-  $("mode-text").textContent = text ? text(S.mode) : "";
+  $("mode-text").textContent = text ? text(S.mode) + SWITCH_TEXT : "";
   renderButtons();
 }
 
@@ -182,22 +237,23 @@ function renderButtons() {
   $("start").disabled = replies > 0 || S.switching;
   $("long").disabled = longs > 0 || S.switching;
   for (const b of document.querySelectorAll(".mode-btn")) {
-    b.disabled = running.length > 0 || S.switching;
+    b.disabled = S.switching; // live: a switch while replies stream moves them
     b.classList.toggle("current", !!S.mode && S.mode.mode === b.dataset.setMode && !S.switching);
   }
 }
 
 // ---- the event feed: every engine step of every worker ----------------------------------------
-async function followEvents() {
+async function followEvents(since = now() - 2) {
   if (S.feed) S.feed.abort();
   const ctrl = new AbortController();
   S.feed = ctrl;
-  let since = now() - 2;
+  S.since = since;
   while (!ctrl.signal.aborted) {
     try {
-      const resp = await api("/admin/events?since=" + since.toFixed(3), { signal: ctrl.signal });
+      const resp = await api("/admin/events?since=" + S.since.toFixed(3), { signal: ctrl.signal });
       await readSSE(resp, (ev) => {
-        since = Math.max(since, ev.time || 0);
+        if (ctrl.signal.aborted) return;
+        S.since = Math.max(S.since, ev.time || 0);
         onEvent(ev);
       });
     } catch (e) {
@@ -209,6 +265,13 @@ async function followEvents() {
 }
 
 function onEvent(ev) {
+  if (ev.type === "step_start") return;
+  if (ev.type !== "step") { // the feed replays what it had after a reconnect: take each event once
+    const sig = [ev.type, ev.kind, ev.phase, ev.state, ev.key, ev.request_id, ev.worker, ev.time].join("|");
+    if (S.seen.has(sig)) return;
+    if (S.seen.size > 50000) S.seen.clear();
+    S.seen.add(sig);
+  }
   if (ev.type === "step") {
     ev.rids = ev.keys.map(ridOf);
     ev.prefillRids = ev.prefilling.map(ridOf);
@@ -220,24 +283,87 @@ function onEvent(ev) {
     if (!(ev.kind in r) || ev.kind.endsWith("_end")) r[ev.kind] = ev.time;
     if (ev.kind === "prefill_start") r.prefillWorker = ev.worker;
     S.requests.set(ev.request_id, r);
-    if (ev.kind === "transfer_start" || ev.kind === "transfer_end") {
+    if (ev.kind === "placed") r.path = ev.path;
+    const mv = S.pendingMoves.get(ev.key);
+    if (mv && (ev.kind === "transfer_start" || ev.kind === "transfer_end")) {
+      // a move's KV crossing: drawn as the move, not as a prompt's handoff
+      if (ev.kind === "transfer_start") Object.assign(mv, { xferStart: ev.time, bytes: ev.bytes });
+      else Object.assign(mv, { xferEnd: ev.time, bytes: ev.bytes, seconds: ev.seconds });
+    } else if (ev.kind === "transfer_start" || ev.kind === "transfer_end") {
       const h = S.handoffs.get(ev.key) || { rid: ev.request_id };
       if (ev.kind === "transfer_start") Object.assign(h, { from: ev.worker, to: ev.to, start: ev.time, bytes: ev.bytes });
       else Object.assign(h, { to: ev.worker, end: ev.time, bytes: ev.bytes, seconds: ev.seconds });
       S.handoffs.set(ev.key, h);
     }
-  } else if (ev.type === "mode") {
-    S.marks.push({ time: ev.time, label: ev.phase === "drain" ? "switching…" : "now " + modeLabel(ev.mode) });
-    if (ev.phase === "serving" && !S.switching) {
-      S.mode = ev.mode;
-      renderMode();
+  } else if (["mode", "move", "worker", "advisor"].includes(ev.type)) {
+    if (ev.type === "mode") onModeEvent(ev);
+    else if (ev.type === "move") onMoveEvent(ev);
+    else if (ev.type === "worker") {
+      const moved = ev.state === "drained" && ev.moved !== undefined ? ` · moved ${ev.moved}` : "";
+      S.marks.push({ time: ev.time, worker: ev.worker, label: `worker ${ev.worker} ${ev.state}${moved}`, bad: ev.state === "lost" });
       loadWorkers();
+    } else {
+      const what = ev.decision ?? ev.chosen ?? "";
+      const text = typeof what === "string" ? what : JSON.stringify(what);
+      S.marks.push({ time: ev.time, label: "advisor: " + text.slice(0, 60), advisor: true });
     }
-  } else if (ev.type === "worker") {
-    S.marks.push({ time: ev.time, worker: ev.worker, label: `worker ${ev.worker} ${ev.state}`, bad: ev.state === "lost" });
-    loadWorkers();
   }
   S.dirty = true;
+}
+
+// A switch starts ("switch", or "drain" for a clean cut), its new mode serves ("serving": the lanes change
+// now), its moves are done ("switched": what moved, how long it all took).
+function onModeEvent(ev) {
+  if (ev.phase === "switch" || ev.phase === "drain") {
+    if (!S.switches.some((w) => w.time === ev.time)) {
+      S.switches.push({ time: ev.time, from: ev.from, to: ev.to, drain: ev.phase === "drain" });
+    }
+    return;
+  }
+  const open = S.switches.filter((w) => w.time <= ev.time + 0.01);
+  if (ev.phase === "serving") {
+    const sw = open.reverse().find((w) => w.serving === undefined);
+    S.mode = { ...ev.mode };
+    S.served = true;
+    const roles = applyRoles(ev.mode);
+    if (sw) Object.assign(sw, { serving: ev.time, mode: ev.mode, roles });
+    renderMode();
+    loadWorkers();
+  } else if (ev.phase === "switched") {
+    switchAnswered(ev, ev.time);
+  }
+}
+
+// A switch's outcome, from its "switched" event or from the POST's answer (whichever comes first).
+function switchAnswered(o, at) {
+  let sw = S.switches.find((w) => w.time === o.started);
+  if (!sw) {
+    sw = { time: o.started, from: o.from, to: o.to, drain: o.drain };
+    S.switches.push(sw);
+  }
+  if (sw.serving === undefined && o.serving_after_seconds !== undefined) {
+    Object.assign(sw, { serving: o.started + o.serving_after_seconds, mode: o.to, roles: rolesOf(o.to, S.workers.length) });
+  }
+  sw.switched = at ?? o.started + o.seconds;
+  sw.outcome = o;
+  S.dirty = true;
+}
+
+function onMoveEvent(ev) {
+  let mv = S.pendingMoves.get(ev.key);
+  if (ev.phase === "start") {
+    mv = { rid: ev.request_id, key: ev.key, from: ev.from, to: ev.to, reason: ev.reason, start: ev.time };
+    S.pendingMoves.set(ev.key, mv);
+    S.moves.push(mv);
+    return;
+  }
+  S.pendingMoves.delete(ev.key);
+  if (!mv) { // it never started (no seat anywhere, or the reply ended first)
+    mv = { rid: ev.request_id, key: ev.key, from: ev.source, start: ev.start };
+    S.moves.push(mv);
+  }
+  Object.assign(mv, { from: ev.source, to: ev.target ?? mv.to, reason: ev.reason, end: ev.time, tokens: ev.tokens,
+    bytes: ev.bytes || mv.bytes, seconds: ev.seconds, outcome: ev.outcome, detail: ev.detail });
 }
 
 // ---- streams --------------------------------------------------------------------------------
@@ -251,6 +377,8 @@ function newScene() {
   const old = S.t0 - 5;
   for (const [k, s] of S.steps) if (s.end < old) S.steps.delete(k);
   S.marks = S.marks.filter((m) => m.time >= old);
+  S.switches = S.switches.filter((w) => (w.switched ?? w.time) >= old);
+  S.moves = S.moves.filter((m) => (m.end ?? m.start) >= old || S.pendingMoves.get(m.key) === m);
   S.requests.clear();
   S.handoffs.clear();
   $("streams").innerHTML = "";
@@ -445,7 +573,7 @@ const explained = new Map(); // memo, cleared whenever new events arrive
 let explainedAt = -1;
 
 function why(stall) {
-  const version = S.steps.size + S.handoffs.size * 1e6;
+  const version = S.steps.size + S.handoffs.size * 1e6 + S.moves.length * 1e9 + S.switches.length * 1e12;
   if (version !== explainedAt) {
     explained.clear();
     explainedAt = version;
@@ -471,24 +599,27 @@ function findCause({ st, a, b }) {
   const steps = worker === null ? [] : [...S.steps.values()].filter((s) => s.worker === worker && s.end > lo && s.end <= hi);
   const prefill = steps.filter((s) => s.prefill_tokens > 0);
   const handoffs = [...S.handoffs.values()].filter((h) => h.rid === st.id && h.start !== undefined && h.start < b && (h.end || b) > a);
-  const modeSwitch = S.marks.some((m) => m.time > a && m.time < b && m.worker === undefined);
+  const moves = S.moves.filter((m) => m.rid === st.id && m.start < b && (m.end ?? b) > a);
+  const modeSwitch = S.switches.find((w) => w.time < b && (w.switched ?? w.serving ?? w.time) > a) || null;
   let cause = "none";
   let names = "";
   if (prefill.length) {
     cause = "prefill";
     names = joinNames(prefill.flatMap((s) => s.prefillRids));
   } else if (handoffs.length) cause = "handoff";
+  else if (moves.length) cause = "move";
   else if (steps.length) {
     cause = "slow";
     names = [...new Set(steps.flatMap((s) => s.rids))].map((r) => S.byId.get(r)).filter((o) => o && o.kind === "long")
       .map((o) => `the ${o.name}'s reply` + (o.usage ? ` (attending over its ${fmtInt(o.usage.prompt_tokens)}-token prompt)` : ""))
       .join(" and ");
   }
-  return { worker, steps, prefill, handoffs, modeSwitch, cause, names, key: `${cause}:${worker}:${names}:${modeSwitch}` };
+  return { worker, steps, prefill, handoffs, moves, modeSwitch, cause, names,
+    key: `${cause}:${worker}:${names}:${modeSwitch ? modeSwitch.time : ""}` };
 }
 
 // The cause of one late token, or of a run of them (an episode), in words.
-function causeText(c, steps, handoffs) {
+function causeText(c, steps, handoffs, moves = []) {
   const w = c.worker;
   const parts = [];
   if (w === null || w === undefined) parts.push("(no engine step is known for this gap yet)");
@@ -507,20 +638,28 @@ function causeText(c, steps, handoffs) {
     const longest = Math.max(...steps.map((s) => s.end - s.time));
     parts.push(`on worker ${w}'s slower step${steps.length > 1 ? "s" : ""} (up to ${fmtS(longest)}), which read no prompt` +
       (c.names ? ` but also wrote ${c.names}` : ""));
-  } else if (c.cause === "none" && !handoffs.length) {
+  } else if (c.cause === "none" && !handoffs.length && !moves.length) {
     parts.push(`while worker ${w} ran no step (the browser or the network was slow)`);
   }
   for (const h of handoffs) {
     parts.push(`while its KV cache (${fmtBytes(h.bytes)}) crossed from worker ${h.from} to worker ${h.to}` +
       (h.seconds ? ` in ${fmtS(h.seconds)}` : ""));
   }
-  if (c.modeSwitch) parts.push("while a mode switch drained the workers");
+  for (const m of moves) {
+    const kv = m.bytes ? ` (${m.tokens ? fmtInt(m.tokens) + " tokens, " : ""}${fmtBytes(m.bytes)})` : "";
+    if (m.outcome === undefined || m.outcome === "moved") {
+      parts.push(`while it moved from worker ${m.from} to worker ${m.to}, its KV cache${kv} with it` +
+        (m.seconds ? ` in ${fmtS(m.seconds)}` : ""));
+    } else parts.push(`while its move from worker ${m.from} did not happen (${m.outcome})`);
+  }
+  const sw = c.modeSwitch;
+  if (sw) parts.push(sw.drain ? "while a mode switch drained the workers" : `during the switch to ${shortMode(sw.to)}`);
   return parts.join("; ");
 }
 
 function explain(stall) {
   const c = why(stall);
-  return { worker: c.worker, text: causeText(c, c.steps, c.handoffs) };
+  return { worker: c.worker, text: causeText(c, c.steps, c.handoffs, c.moves) };
 }
 
 // Late tokens with one cause, back to back (and the replies on one worker stall together): one episode.
@@ -530,13 +669,14 @@ function episodes() {
     const c = why(s);
     let e = out.find((e) => e.key === c.key && s.a <= e.until + 0.05);
     if (!e) {
-      e = { key: c.key, cause: c, stalls: [], steps: new Set(), handoffs: new Set(), until: 0 };
+      e = { key: c.key, cause: c, stalls: [], steps: new Set(), handoffs: new Set(), moves: new Set(), until: 0 };
       out.push(e);
     }
     e.stalls.push(s);
     e.until = Math.max(e.until, s.b);
     c.steps.forEach((x) => e.steps.add(x));
     c.handoffs.forEach((x) => e.handoffs.add(x));
+    c.moves.forEach((x) => e.moves.add(x));
   }
   return out;
 }
@@ -585,6 +725,11 @@ function updateCard(st) {
   if (tl && tl.prefill_worker !== null && tl.decode_worker !== null && tl.prefill_worker !== tl.decode_worker) {
     where = `read on worker ${tl.prefill_worker} → written on worker ${tl.decode_worker}`;
   } else if (tl && tl.decode_worker !== null) where = `worker ${tl.decode_worker}`;
+  const moves = movesOf(st);
+  const hops = moves.filter((m) => m.outcome === "moved");
+  const path = hops.map((m) => `${m.from}→${m.to}`).join(",");
+  if (c.dataset.moved !== path) c.dataset.moved = path;
+  if (hops.length) where = `moved: worker ${movedPath(st, moves).slice(1).replaceAll("→", " → ")}`;
   c.querySelector(".where").textContent = (st.done ? "" : "● ") + where;
   const rows = [];
   const n = st.ticks.length;
@@ -600,6 +745,14 @@ function updateCard(st) {
   const pStart = (tl && tl.events.prefill_start) || req.prefill_start;
   const pEnd = (tl && tl.events.prefill_end) || req.prefill_end;
   if (st.kind === "long" && pStart && pEnd) rows.push(["prefill", `${fmtS(pEnd - pStart)} (waited ${fmtS(pStart - st.sent)} for it)`]);
+  const placed = (tl && tl.path) || req.path;
+  if (placed) rows.push(["path", placed === "local" ? "local: its decode worker read the prompt" : "remote: KV handoff"]);
+  for (const m of moves) {
+    const when = S.t0 ? ` at +${((m.end ?? m.start) - S.t0).toFixed(1)} s` : "";
+    const what = m.outcome === undefined ? "moving…" : m.outcome !== "moved" ? `not moved (${m.outcome})`
+      : `${m.tokens ? fmtInt(m.tokens) + " tokens, " : ""}${fmtBytes(m.bytes)} in ${fmtS(m.seconds)}`;
+    rows.push(["moved", `<span class="moved">worker ${m.from} → ${m.to ?? "?"}</span>${when}: ${what}`]);
+  }
   if (tl) {
     rows.push(["server", `TTFT ${fmtS(tl.ttft)} · TPOT ${fmtS(tl.tpot)}`]);
     const kv = tl.kv_transfer;
@@ -638,7 +791,7 @@ function renderStalls(force) {
           `${fmtRange(Math.min(...gaps), Math.max(...gaps))} apart (${ratio} ${their} median gap; ${fmtS(lost)} lost` +
           `${streams.length > 1 ? " per reply" : ""}),`;
       }
-      const text = causeText(e.cause, [...e.steps], [...e.handoffs]);
+      const text = causeText(e.cause, [...e.steps], [...e.handoffs], [...e.moves]);
       return `<li data-worker="${e.cause.worker ?? ""}" data-cause="${e.cause.cause}">${when}, ${who}: ${what} ${escapeHtml(text)}.</li>`;
     }).join("");
   }
@@ -670,7 +823,7 @@ function viewRange() {
 function workerLanes() {
   const ids = new Set(S.workers.map((w) => w.id));
   for (const s of S.steps.values()) ids.add(s.worker);
-  return [...ids].sort((a, b) => a - b).map((id) => ({ id, role: (S.workers.find((w) => w.id === id) || {}).role }));
+  return [...ids].sort((a, b) => a - b).map((id) => ({ id, ...(S.workers.find((w) => w.id === id) || {}) }));
 }
 
 function draw() {
@@ -694,6 +847,7 @@ function draw() {
   ctx.font = "12px " + getComputedStyle(document.body).fontFamily;
   ctx.textBaseline = "middle";
   S.hits = [];
+  S.drawn = [];
 
   const [t0, t1] = viewRange();
   const plotW = width - L.gutter - L.right;
@@ -729,6 +883,7 @@ function draw() {
   y += L.gap;
 
   // worker lanes
+  const gapY = y - L.gap / 2; // the row between the replies and the workers: the switches' labels
   const wy = new Map();
   for (const w of workers) {
     wy.set(w.id, y);
@@ -739,7 +894,7 @@ function draw() {
     ctx.fillText(`worker ${w.id}`, 8, y + L.wlane / 2 - 6);
     ctx.font = "12px " + getComputedStyle(document.body).fontFamily;
     ctx.fillStyle = "#5f6b7a";
-    ctx.fillText(w.role ? roleText(w.role) : "", 8, y + L.wlane / 2 + 8);
+    ctx.fillText((w.role ? roleText(w.role) : "") + (w.draining ? " · draining" : ""), 8, y + L.wlane / 2 + 8);
     y += L.wlane;
   }
   for (const s of S.steps.values()) {
@@ -767,30 +922,38 @@ function draw() {
     const yb = wy.get(h.to) + (down ? 5 : L.wlane - 5);
     const xa = X(h.start);
     const xb = Math.max(X(h.end), xa + 4);
-    arrow(ctx, xa, ya, xb, yb, "#7a4bd6");
+    arrow(ctx, xa, ya, xb, yb, HANDOFF_COLOR);
     const st = S.byId.get(h.rid);
     if (st && st.kind === "long") {
-      ctx.fillStyle = "#7a4bd6";
+      ctx.fillStyle = HANDOFF_COLOR;
       ctx.fillText(`KV ${fmtBytes(h.bytes)} · ${fmtS(h.seconds)}`, xb + 6, (ya + yb) / 2);
     }
     S.hits.push({ x0: Math.min(xa, xb) - 4, x1: Math.max(xa, xb) + 4, y0: Math.min(ya, yb), y1: Math.max(ya, yb), prio: 2,
       tip: () => `<b>KV handoff</b> of ${st ? st.name : h.rid}: ${fmtBytes(h.bytes)} from worker ${h.from} to worker ` +
         `${h.to} in ${fmtS(h.seconds)}${h.seconds ? ` (${((h.bytes * 8) / h.seconds / 1e9).toFixed(1)} Gb/s)` : ""}` });
   }
-  // mode switches and worker deaths
+  drawMoves(ctx, wy, X, t0, t1);
+  drawSwitches(ctx, wy, X, t0, t1, height, gapY);
+  // worker changes (draining, lost, back up) and advisor decisions: instants
   for (const m of S.marks) {
     if (m.time < t0 || m.time > t1) continue;
     const x = Math.round(X(m.time)) + 0.5;
-    ctx.strokeStyle = m.bad ? "#d93a3a" : "#8a94a3";
-    ctx.setLineDash([3, 3]);
+    const color = m.bad ? "#d93a3a" : m.advisor ? ADVISOR_COLOR : "#8a94a3";
+    ctx.strokeStyle = color;
+    ctx.setLineDash(m.advisor ? [1, 3] : [3, 3]);
     ctx.beginPath();
     ctx.moveTo(x, L.axis - 2);
     ctx.lineTo(x, height - 6);
     ctx.stroke();
     ctx.setLineDash([]);
-    ctx.fillStyle = m.bad ? "#d93a3a" : "#5f6b7a";
-    ctx.fillText(m.label, x + 4, L.axis + 6);
+    const ly = wy.has(m.worker) ? wy.get(m.worker) + 9 : L.axis + 6;
+    label(ctx, m.label, x + 4, ly, m.bad ? "#d93a3a" : m.advisor ? ADVISOR_COLOR : "#5f6b7a");
+    S.drawn.push({ kind: m.advisor ? "advisor" : "mark", label: m.label, time: m.time, x });
   }
+  const nMoved = S.drawn.filter((d) => d.kind === "move" && d.outcome === "moved").length;
+  const nSwitches = S.drawn.filter((d) => d.kind === "switch").length;
+  if (canvas.dataset.switches !== String(nSwitches)) canvas.dataset.switches = String(nSwitches);
+  if (canvas.dataset.moves !== String(nMoved)) canvas.dataset.moves = String(nMoved);
   if (sceneRunning()) {
     const x = Math.round(X(now())) + 0.5;
     ctx.strokeStyle = "rgba(47,111,222,.5)";
@@ -799,6 +962,113 @@ function draw() {
     ctx.lineTo(x, height - 6);
     ctx.stroke();
   }
+}
+
+// Each move: an arrow from the worker that had the reply to the one that has it now, from its KV leaving to
+// its KV landing (a move that did not happen: a grey cross on the worker that kept the reply).
+function drawMoves(ctx, wy, X, t0, t1) {
+  for (const m of S.moves) {
+    const a = m.xferStart ?? m.start;
+    const b = m.xferEnd ?? m.end ?? now();
+    if (b < t0 || a > t1 || !wy.has(m.from)) continue;
+    const st = S.byId.get(m.rid);
+    const name = st ? st.name : m.rid;
+    const ok = m.outcome === undefined || m.outcome === "moved";
+    let box;
+    if (ok && wy.has(m.to) && m.to !== m.from) { // from the middle of one lane to the middle of the other
+      const ya = wy.get(m.from) + L.wlane / 2;
+      const yb = wy.get(m.to) + L.wlane / 2;
+      const xa = X(a);
+      const xb = Math.max(X(b), xa + 4);
+      arrow(ctx, xa, ya, xb, yb, MOVE_COLOR, m.outcome === undefined ? [4, 3] : null); // dashed: on its way
+      box = { x0: Math.min(xa, xb) - 4, x1: Math.max(xa, xb) + 4, y0: Math.min(ya, yb), y1: Math.max(ya, yb) };
+    } else {
+      const x = X(m.end ?? a);
+      const yc = wy.get(m.from) + L.wlane / 2;
+      ctx.strokeStyle = "#8a94a3";
+      ctx.lineWidth = 1.5;
+      ctx.beginPath();
+      ctx.moveTo(x - 4, yc - 4);
+      ctx.lineTo(x + 4, yc + 4);
+      ctx.moveTo(x + 4, yc - 4);
+      ctx.lineTo(x - 4, yc + 4);
+      ctx.stroke();
+      ctx.lineWidth = 1;
+      box = { x0: x - 5, x1: x + 5, y0: yc - 5, y1: yc + 5 };
+    }
+    S.hits.push({ ...box, prio: 2, tip: () => moveTip(m, name) });
+    S.drawn.push({ kind: "move", rid: m.rid, name, from: m.from, to: m.to, outcome: m.outcome || "moving", time: a });
+  }
+}
+
+function moveTip(m, name) {
+  const why = { switch: "the mode switch", drain: "its worker being drained", rebalance: "a rebalance" }[m.reason] || m.reason;
+  if (m.outcome && m.outcome !== "moved") {
+    return `<b>${escapeHtml(name)} did not move</b> (${m.outcome}) from worker ${m.from}, for ${why}` +
+      (m.detail ? `: ${escapeHtml(m.detail)}` : "");
+  }
+  const kv = m.bytes ? `its KV cache${m.tokens ? ` (${fmtInt(m.tokens)} tokens)` : ""}, ${fmtBytes(m.bytes)}` : "its KV cache";
+  return `<b>${escapeHtml(name)} moved</b> from worker ${m.from} to worker ${m.to} for ${why}: ${kv}` +
+    (m.seconds ? ` in ${fmtS(m.seconds)}` : m.outcome ? "" : ", on its way");
+}
+
+// Each mode switch: a line across every lane when it starts, a band while its replies move, its label between
+// the replies and the workers, and each worker's new role.
+function drawSwitches(ctx, wy, X, t0, t1, height, gapY) {
+  const last = S.switches[S.switches.length - 1];
+  for (const sw of S.switches) {
+    const live = sw === last && sw.switched === undefined && (S.switching || sceneRunning());
+    const end = sw.switched ?? (live ? now() : sw.serving ?? sw.time);
+    if (end < t0 || sw.time > t1) continue;
+    const x = Math.round(X(sw.time)) + 0.5;
+    ctx.fillStyle = "rgba(12,138,90,.08)";
+    ctx.fillRect(x, L.axis - 2, Math.max(0, X(end) - x), height - L.axis - 4);
+    ctx.strokeStyle = SWITCH_COLOR;
+    ctx.lineWidth = 1.5;
+    ctx.beginPath();
+    ctx.moveTo(x, L.axis - 4);
+    ctx.lineTo(x, height - 6);
+    ctx.stroke();
+    ctx.lineWidth = 1;
+    const title = `→ ${shortMode(sw.to)}` + (sw.drain ? " (drain)" : "");
+    const o = sw.outcome;
+    const detail = o ? `${fmtS(o.seconds)} · moved ${o.moved}${o.moved ? ` (${fmtBytes(o.bytes)})` : ""}` +
+      (o.not_moved ? ` · ${o.not_moved} not` : "") : sw.serving !== undefined ? "serving · moving…" : "switching…";
+    const font = getComputedStyle(document.body).fontFamily;
+    ctx.font = "600 12px " + font;
+    label(ctx, title, x + 4, gapY, SWITCH_COLOR);
+    const w = ctx.measureText(title).width;
+    ctx.font = "12px " + font;
+    label(ctx, "· " + detail, x + 10 + w, gapY, MOVE_COLOR);
+    if (sw.roles && sw.serving !== undefined) { // the workers' new roles, right of the band (the moves)
+      const xs = Math.max(X(sw.serving), X(end)) + 6;
+      for (const [id, y] of wy) if (sw.roles[id]) label(ctx, roleText(sw.roles[id]), xs, y + L.wlane - 9, "#5f6b7a");
+    }
+    S.hits.push({ x0: x - 3, x1: x + 3, y0: L.axis - 4, y1: height - 6, prio: 1, tip: () => switchTip(sw) });
+    S.drawn.push({ kind: "switch", label: title, detail, time: sw.time, x, roles: sw.roles || null });
+  }
+}
+
+function switchTip(sw) {
+  const o = sw.outcome;
+  let text = `<b>Mode switch</b> ${escapeHtml(shortMode(sw.from))} → ${escapeHtml(shortMode(sw.to))} at ` +
+    `+${(sw.time - S.t0).toFixed(2)} s`;
+  if (sw.serving !== undefined) text += `<br>The new mode served after ${fmtS(sw.serving - sw.time)}` +
+    (sw.drain ? " (the running replies finished first)" : " (the workers took their roles at once)");
+  if (o) {
+    text += `<br>${o.moved} repl${o.moved === 1 ? "y" : "ies"} moved (${fmtBytes(o.bytes)} of KV, slowest ` +
+      `${fmtS(o.slowest_move_seconds)})` + (o.not_moved ? `, ${o.not_moved} did not` : "") + `; done after ${fmtS(o.seconds)}`;
+  }
+  return text;
+}
+
+// Text on a white backing, so that it reads over ticks and steps.
+function label(ctx, text, x, y, color) {
+  const w = ctx.measureText(text).width;
+  ctx.fillStyle = "rgba(255,255,255,.85)";
+  ctx.fillRect(x - 2, y - 7, w + 4, 14);
+  ctx.fillStyle = color;
+  ctx.fillText(text, x, y);
 }
 
 function roleText(role) {
@@ -816,9 +1086,11 @@ function drawStreamLane(ctx, st, y, X, t0) {
   ctx.font = "600 12px " + font;
   ctx.fillText(st.name, 22, mid);
   ctx.font = "12px " + font;
-  if (st.worker !== null && st.kind === "reply") {
-    ctx.fillStyle = "#8a94a3";
-    ctx.fillText(`w${st.worker}`, 22 + ctx.measureText(st.name).width + 18, mid);
+  const moves = movesOf(st);
+  if (st.worker !== null || moves.length) {
+    const path = movedPath(st, moves);
+    ctx.fillStyle = moves.length ? MOVE_COLOR : "#8a94a3";
+    if (path && (st.kind === "reply" || moves.length)) ctx.fillText(path, 22 + ctx.measureText(st.name).width + 12, mid);
   }
   const end = st.done ? st.finished : now();
   // the request's life: sent -> done
@@ -860,6 +1132,19 @@ function drawStreamLane(ctx, st, y, X, t0) {
     ctx.fillStyle = "rgba(217,58,58,.18)";
     ctx.fillRect(X(s.a), y + 2, X(s.b) - X(s.a), L.lane - 4);
   }
+  for (const m of moves) { // where its KV went: a diamond on the reply's lane when it moved
+    const x = X(m.end ?? m.start);
+    const ok = m.outcome === undefined || m.outcome === "moved";
+    ctx.fillStyle = ok ? MOVE_COLOR : "#8a94a3";
+    ctx.beginPath();
+    ctx.moveTo(x, mid - 6);
+    ctx.lineTo(x + 5, mid);
+    ctx.lineTo(x, mid + 6);
+    ctx.lineTo(x - 5, mid);
+    ctx.closePath();
+    ctx.fill();
+    S.hits.push({ x0: x - 6, x1: x + 6, y0: y, y1: y + L.lane, prio: 5, tip: () => moveTip(m, st.name) });
+  }
   const late = new Set((st.stalls || []).map((s) => s.i));
   st.ticks.forEach((t, i) => {
     const x = Math.round(X(t));
@@ -872,14 +1157,31 @@ function drawStreamLane(ctx, st, y, X, t0) {
   });
 }
 
-function arrow(ctx, xa, ya, xb, yb, color) {
+// A reply's moves: what the event feed said, or its timeline's records once it is done.
+function movesOf(st) {
+  if (!st.id) return [];
+  const seen = S.moves.filter((m) => m.rid === st.id);
+  if (seen.length || !st.timeline || !st.timeline.moves) return seen;
+  return st.timeline.moves.map((m) => ({ ...m, rid: m.request_id, from: m.source, to: m.target }));
+}
+
+// "w0→1" for a reply that moved from worker 0 to worker 1, "w1" for one that stayed.
+function movedPath(st, moves) {
+  const hops = moves.filter((m) => m.outcome === undefined || m.outcome === "moved");
+  if (!hops.length) return st.worker !== null && st.worker !== undefined ? `w${st.worker}` : "";
+  return "w" + [hops[0].from, ...hops.map((m) => m.to)].join("→");
+}
+
+function arrow(ctx, xa, ya, xb, yb, color, dash = null) {
   ctx.strokeStyle = color;
   ctx.fillStyle = color;
   ctx.lineWidth = 1.5;
+  if (dash) ctx.setLineDash(dash);
   ctx.beginPath();
   ctx.moveTo(xa, ya);
   ctx.lineTo(xb, yb);
   ctx.stroke();
+  ctx.setLineDash([]);
   const a = Math.atan2(yb - ya, xb - xa);
   ctx.beginPath();
   ctx.moveTo(xb, yb);
