@@ -208,3 +208,18 @@ def test_per_request_disaggregation_prefills_short_prompts_on_the_decode_worker(
         assert status == 200
         assert texts(asyncio.run(stream_completions(server.url, short + long, 20))) == texts(got)
         assert server.post("/admin/mode", {"mode": "disagg", "local_prefill_tokens": -1})[0] == 400
+
+
+def test_a_move_that_outlives_its_lease_is_redone_and_leaves_no_block():
+    """The link to the target goes silent for longer than --kv-transfer-timeout during the move."""
+    env = {**os.environ, "MINIPD_FAULTS": "kv_outage_on_token=4,kv_outage_s=2.5,kv_faults_first_attempt=1"}
+    prompts = [[4, 9, 12, 15] * 6, [4, 7, 12, 15] * 6]
+    with serving(*TINY, "--kv-transport", "tcp", "--kv-transfer-timeout", "1.5", env=env) as server:
+        want = texts(asyncio.run(stream_completions(server.url, prompts, MAX_TOKENS)))
+        greedy, _, (status, answer) = asyncio.run(streams_with_a_switch(
+            server, {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, prompts=prompts))  # fmt: skip
+        assert status == 200 and texts(greedy) == want
+        timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in greedy]
+        causes = [x["cause"] for t in timelines for x in t["redos"]]
+        assert any("within 1.5 s" in c for c in causes), causes  # the writer's lease or the router's, whichever ends first
+        wait_for_idle_workers(server, 30)
