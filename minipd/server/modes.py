@@ -123,7 +123,12 @@ class ModeSwitcher:
             r.events.publish({"type": "mode", "phase": "serving", "time": time.time(), "mode": mode.as_dict(),
                               "drain_seconds": serving_after})  # fmt: skip
             log.info("minipd: now serving in mode %s", mode.as_dict())
-            moves = await r.mover.move_all(r.mover.misplaced(), "switch", self.move_timeout)
+            moves = []
+            for _ in range(3):  # a reply that outgrew its seat on the way is asked again, with a bigger one
+                batch = await r.mover.move_all(r.mover.misplaced(), "switch", self.move_timeout)
+                moves += batch
+                if not any(x.outcome == "refused" for x in batch):
+                    break
             outcome = {"from": old.as_dict(), "to": mode.as_dict(), "changed": True, "drain": drain,
                        "started": started, "serving_after_seconds": serving_after,
                        "seconds": time.time() - started, "requests_in_flight": in_flight, **summary(moves)}  # fmt: skip
