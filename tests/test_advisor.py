@@ -31,7 +31,7 @@ def feed(a, now: float, rate: float, prompt: int, output: int, window: float) ->
     count = int(rate * window)
     for i in range(count):
         t = now - window + i / rate
-        a.on_arrival(t)
+        a.on_arrival(t, prompt, output)
         a.on_finished({"arrival": t, "events": {"finish": now - 0.01}, "prompt_tokens": prompt,
                        "output_tokens": output, "ttft": 0.5, "tpot": 0.05, "finish_reason": "length"})  # fmt: skip
 
@@ -41,7 +41,7 @@ def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows():
     now = time.time()
     feed(a, now, 1.5, 1000, 100, 10.0)
     first = a.decide(now)
-    best = max(first["predictions"], key=lambda c: c["goodput_proxy"])
+    best = max(first["predictions"], key=lambda c: c["goodput"])
     colo = first["predictions"][0]
     assert colo["label"] == "colocated" and best["label"].startswith("disagg")
     assert colo["tpot_s"] > 0.014 and best["tpot_s"] <= 0.014  # prompts read between decodes break the TPOT SLO
@@ -91,8 +91,21 @@ def test_auto_on_a_real_server_records_decisions_with_their_measured_outcome():
         assert status == 200 and body["enabled"] and body["decisions"]
         decided = [d for d in body["decisions"] if "predictions" in d]
         assert decided, body["decisions"]
-        assert all({"ttft_s", "tpot_s", "goodput_proxy"} <= set(c) for c in decided[0]["predictions"])
+        assert all({"ttft_s", "tpot_s", "goodput"} <= set(c) for c in decided[0]["predictions"])
         assert "measured_next" in body["decisions"][0]
         assert server.post("/admin/mode", {"mode": "colocated"})[0] == 200
         assert server.get("/admin/advisor")[1]["enabled"] is False  # a mode chosen by hand ends auto
         assert server.post("/admin/mode", {"mode": "auto", "chunk_tokens": 3})[0] == 400
+
+
+def test_under_overload_each_mode_is_credited_with_the_rate_it_can_carry_within_the_slos():
+    """Defect (measured on the default model): with more offered than any mode can serve, every
+    candidate was predicted 0, so the advisor never moved. Goodput is the highest rate that meets
+    both SLOs (DistServe's), below the offered one."""
+    router, a = advisor_with()
+    now = time.time()
+    feed(a, now, 4.0, 1000, 100, 10.0)  # 2 s of prompt reading per second: more than 2 workers hold within the SLOs
+    entry = a.decide(now)
+    goodputs = {c["label"]: c["goodput"] for c in entry["predictions"]}
+    assert all(g < 4.0 for g in goodputs.values()), goodputs
+    assert max(goodputs.values()) > 0.5, goodputs  # some mode still carries a share within the SLOs

@@ -7,8 +7,9 @@ the window before as well (hysteresis: a single noisy window does not flip the m
 Every decision is kept with its prediction; one window later the measured outcome of that window
 (TTFT, TPOT, SLO attainment, goodput) is put beside it, so the advisor can be judged by what it
 did. The model's limits are the planner's: mean values (no tail), decode step time without its
-context term (steps do not report context), and predicted goodput = rate x min(1, SLO margin),
-a proxy, labelled so."""
+context term (steps do not report context). Predicted goodput is DistServe's: the highest rate, up
+to the one offered, at which the model meets both SLOs (so an overloaded server still picks the
+mode that carries the most within its SLOs)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class AdvisorConfig:
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     min_gain: float = 0.1  # relative predicted-goodput gain a switch must promise
-    min_requests: int = 5  # fewer finished in a window: no decision
+    min_requests: int = 5  # fewer arrived in a window: no decision
 
 
 @dataclass(slots=True)
@@ -56,14 +57,15 @@ class Advisor:
         self.decode_steps: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (batch, seconds)
         self.transfers: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (bytes, seconds)
         self.finished: deque[Finished] = deque()
-        self.arrivals: deque[float] = deque()
+        self.arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max_tokens)
+        self.outputs: deque[int] = deque(maxlen=KEPT_STEPS)  # reply lengths of the requests that finished
         self.entries: deque[dict] = deque(maxlen=KEPT_ENTRIES)
         self.last_best: str | None = None
         self.task: asyncio.Task | None = None
 
     # ---- what the router reports ----------------------------------------------------------------
-    def on_arrival(self, t: float) -> None:
-        self.arrivals.append(t)
+    def on_arrival(self, t: float, prompt_tokens: int, max_tokens: int) -> None:
+        self.arrivals.append((t, prompt_tokens, max_tokens))
 
     def on_step(self, prefill_tokens: int, num_decodes: int, seconds: float) -> None:
         if prefill_tokens and not num_decodes:
@@ -78,6 +80,7 @@ class Advisor:
     def on_finished(self, timeline: dict) -> None:
         if timeline["finish_reason"] in ("error", "abort"):
             return
+        self.outputs.append(timeline["output_tokens"])
         self.finished.append(Finished(timeline["arrival"], timeline["events"].get("finish", time.time()),
                                       timeline["prompt_tokens"], timeline["output_tokens"], timeline["ttft"],
                                       timeline["tpot"]))  # fmt: skip
@@ -105,7 +108,7 @@ class Advisor:
     def decide(self, now: float) -> dict:
         cfg = self.config
         start = now - cfg.window_s
-        while self.arrivals and self.arrivals[0] < start:
+        while self.arrivals and self.arrivals[0][0] < start:
             self.arrivals.popleft()
         window = [f for f in self.finished if f.end >= start]
         self.finished = deque(window)
@@ -116,21 +119,20 @@ class Advisor:
         entry = {"time": now, "window_s": cfg.window_s, "current": current.as_dict(), "measured": measured,
                  "switch_to": None}  # fmt: skip
         profile = self.profile()
-        if len(window) < cfg.min_requests or profile is None:
+        if len(self.arrivals) < cfg.min_requests or profile is None:
             entry["decision"] = "wait: too little traffic or too few steps measured to predict"
             return self._publish(entry)
-        traffic = Traffic(len(self.arrivals) / cfg.window_s, statistics.fmean(f.prompt_tokens for f in window),
-                          statistics.fmean(f.output_tokens for f in window))  # fmt: skip
-        prompts = sorted(f.prompt_tokens for f in window)
+        prompts = sorted(a[1] for a in self.arrivals)
+        replies = self.outputs or [a[2] for a in self.arrivals]  # no reply finished yet: their max_tokens
+        traffic = Traffic(len(self.arrivals) / cfg.window_s, statistics.fmean(prompts), statistics.fmean(replies))
         candidates = self.predict(profile, traffic, prompts)
         entry["traffic"] = {"rate": traffic.rate, "prompt_tokens": traffic.prompt_tokens,
                             "output_tokens": traffic.output_tokens}  # fmt: skip
         entry["profile"] = {k: v for k, v in profile.as_dict().items() if k != "points"}
         entry["predictions"] = candidates
-        best = max(candidates, key=lambda c: (c["goodput_proxy"], c["slo_margin"] or 0.0))
+        best = max(candidates, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
         here = candidates[0]  # the current mode
-        here_goodput = here["goodput_proxy"]
-        gain = (best["goodput_proxy"] - here_goodput) / max(here_goodput, 1e-9)
+        gain = (best["goodput"] - here["goodput"]) / max(here["goodput"], 1e-3 * traffic.rate)
         entry.update(best=best["label"], predicted_gain=gain)
         steady = self.last_best == best["label"]
         self.last_best = best["label"]
@@ -176,7 +178,7 @@ class Advisor:
                         "transfers": len(self.transfers)})  # fmt: skip
 
     def predict(self, p: Profile, t: Traffic, prompts: list[int]) -> list[dict]:
-        """The current mode and each candidate: mean TTFT and TPOT, SLO margin, predicted goodput (proxy)."""
+        """The current mode and each candidate: mean TTFT and TPOT, SLO margin, predicted goodput."""
         n = len(self.router.pool.workers)
         cur = self.router.mode
         base = replace(cur, local_prefill_tokens=0, workers=None)
@@ -190,14 +192,27 @@ class Advisor:
         out = []
         for mode in modes:
             if all(Mode(**row["mode"]) != mode for row in out):
-                out.append(self._row(_label(mode), mode, *_predict(p, t, prompts, mode, n), t))
+                out.append(self._row(mode, p, t, prompts, n))
         return out
 
-    def _row(self, label: str, mode: Mode, ttft: float, tpot: float, t: Traffic) -> dict:
+    def _row(self, mode: Mode, p: Profile, t: Traffic, prompts: list[int], n: int) -> dict:
+        ttft, tpot = _predict(p, t, prompts, mode, n)
+        margin = self._margin(ttft, tpot)
+        goodput = t.rate
+        if margin < 1:  # the highest rate that meets both SLOs
+            lo, hi = 0.0, t.rate
+            for _ in range(20):
+                mid = (lo + hi) / 2
+                lo, hi = (
+                    (mid, hi) if self._margin(*_predict(p, replace(t, rate=mid), prompts, mode, n)) >= 1 else (lo, mid)
+                )
+            goodput = lo
+        return {"label": _label(mode), "mode": _mode_fields(mode), "ttft_s": _finite(ttft), "tpot_s": _finite(tpot),
+                "slo_margin": _finite(margin), "goodput": goodput}  # fmt: skip
+
+    def _margin(self, ttft: float, tpot: float) -> float:
         cfg = self.config
-        margin = min(cfg.slo_ttft_s / ttft if ttft else float("inf"), cfg.slo_tpot_s / tpot if tpot else float("inf"))
-        return {"label": label, "mode": _mode_fields(mode), "ttft_s": _finite(ttft), "tpot_s": _finite(tpot),
-                "slo_margin": _finite(margin), "goodput_proxy": t.rate * min(1.0, margin)}  # fmt: skip
+        return min(cfg.slo_ttft_s / ttft if ttft else float("inf"), cfg.slo_tpot_s / tpot if tpot else float("inf"))
 
 
 def _predict(p: Profile, t: Traffic, prompts: list[int], mode: Mode, n: int) -> tuple[float, float]:

@@ -362,7 +362,7 @@ class Api:
         a = self.router.advisor
         return web.json_response({"enabled": a.enabled, "window_s": a.config.window_s,
                                   "slo_ttft_s": a.config.slo_ttft_s, "slo_tpot_s": a.config.slo_tpot_s,
-                                  "min_gain": a.config.min_gain, "goodput": "predicted as rate x min(1, SLO margin)",
+                                  "min_gain": a.config.min_gain, "goodput": "predicted: the highest rate up to the offered one at which the model meets both SLOs",
                                   "decisions": list(a.entries)})  # fmt: skip
 
     def _worker(self, request):

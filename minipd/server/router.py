@@ -86,7 +86,7 @@ class Router:
         state = RequestState(request_id, prompt_token_ids, params, stream)
         state.deadline = time.monotonic() + lim.request_timeout
         self.requests[request_id] = state
-        self.advisor.on_arrival(state.arrival)
+        self.advisor.on_arrival(state.arrival, len(prompt_token_ids), params.max_tokens)
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(prompt_token_ids))
         self.spawn(self.dispatcher.place(state))
         return state
