@@ -25,11 +25,14 @@ class StandInServer:
         self.thread.start()
         self.ready.wait(10)
 
+    def routes(self, app) -> None:
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+
     def _run(self):
         asyncio.set_event_loop(self.loop)
         app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.completions)
+        self.routes(app)
         self.runner = web.AppRunner(app)
         self.loop.run_until_complete(self.runner.setup())
         site = web.TCPSite(self.runner, "127.0.0.1", 0)

@@ -4,7 +4,6 @@ end to end against minipd on the tiny model (slow)."""
 
 import asyncio
 import json
-import threading
 import time
 
 import pytest
@@ -16,6 +15,7 @@ from minipd.bench.metrics import RequestRecord
 from minipd.bench.report import load_results, write_report_md, write_results
 from minipd.bench.switching import analyse, parse_switch_at, split_intervals, switch_cost, tables
 from tests.helpers import serving
+from tests.test_bench_cli import StandInServer
 
 DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None, "kv_link_latency_ms": 0,
           "local_prefill_tokens": 0}
@@ -219,7 +219,7 @@ def test_results_json_and_report_carry_switches_and_intervals(tmp_path):
 # ---- the CLI against a stand-in minipd (no model) ---------------------------------------------------
 
 
-class StandInMinipd:
+class StandInMinipd(StandInServer):
     """/v1/models, /admin/workers, /admin/mode and streaming /v1/completions in a thread: a token
     every 10 ms, and a 150 ms stall for the replies running while a switch takes 50 ms."""
 
@@ -227,26 +227,14 @@ class StandInMinipd:
         self.mode = {"mode": "colocated"}
         self.switching_until = 0.0
         self.posts = []
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        assert self.ready.wait(10)
+        super().__init__()
+        assert self.ready.is_set()
 
-    def _run(self):
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
+    def routes(self, app) -> None:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/admin/workers", self.workers)
         app.router.add_post("/admin/mode", self.set_mode)
         app.router.add_post("/v1/completions", self.completions)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        self.loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        self.ready.set()
-        self.loop.run_forever()
 
     async def models(self, request):
         return web.json_response({"data": [{"id": "stand-in", "max_model_len": 4096}]})
@@ -281,11 +269,6 @@ class StandInMinipd:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
 def test_switch_at_cli_against_a_stand_in(tmp_path, capsys):
     server = StandInMinipd()
     try:
@@ -312,8 +295,6 @@ def test_switch_at_cli_against_a_stand_in(tmp_path, capsys):
 
 
 def test_switch_at_needs_minipd(tmp_path, capsys):
-    from tests.test_bench_cli import StandInServer
-
     server = StandInServer()
     try:
         code = run(["--url", server.url, "--switch-at", "1:colocated", "--out", str(tmp_path), "--no-progress"])

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 
 from minipd.bench.metrics import RequestRecord, summarize
+from minipd.bench.report import fmt_number
+from minipd.bench.report import fmt_pct as _pct
 
 ROW_FIELDS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "goodput", "slo_attainment")
 AUTO_START = "colocated"  # experiment.run_once sets the server colocated before it turns auto on
@@ -179,16 +181,8 @@ def attach_comparisons(runs: list[dict]) -> list[dict]:
 # ---- text ------------------------------------------------------------------------------------------
 
 
-def _f(x, digits: int = 0) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+def _f(x, digits: int = 0) -> str:  # whole numbers unless told otherwise
+    return fmt_number(x, digits)
 
 
 def _x(r: float | None) -> str:

@@ -98,7 +98,7 @@ def load_results(path: str | Path) -> list[dict]:
     return runs
 
 
-def _fmt(x, digits: int = 1) -> str:
+def fmt_number(x, digits: int = 1) -> str:
     if x is None:
         return "-"
     if isinstance(x, float) and math.isinf(x):
@@ -106,7 +106,7 @@ def _fmt(x, digits: int = 1) -> str:
     return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def _pct(x) -> str:
+def fmt_pct(x) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
@@ -142,11 +142,11 @@ def write_report_md(out_dir: str | Path, runs: list[dict], title: str, command: 
         for run in group:
             s = summary_of(run)
             lines.append(
-                f"| {label_of(run)} | {_fmt(float(run['rate']), 2)} | {s['completed']} / {s['failed']} "
-                f"| {_fmt(s['request_throughput'], 2)} | {_fmt(s['output_throughput'])} "
-                f"| {_fmt(s['median_ttft_ms'], 0)} / {_fmt(s['p99_ttft_ms'], 0)} "
-                f"| {_fmt(s['median_tpot_ms'], 0)} / {_fmt(s['p99_tpot_ms'], 0)} "
-                f"| {_fmt(s['goodput'], 2)} | {_pct(s['slo_attainment'])} |"
+                f"| {label_of(run)} | {fmt_number(float(run['rate']), 2)} | {s['completed']} / {s['failed']} "
+                f"| {fmt_number(s['request_throughput'], 2)} | {fmt_number(s['output_throughput'])} "
+                f"| {fmt_number(s['median_ttft_ms'], 0)} / {fmt_number(s['p99_ttft_ms'], 0)} "
+                f"| {fmt_number(s['median_tpot_ms'], 0)} / {fmt_number(s['p99_tpot_ms'], 0)} "
+                f"| {fmt_number(s['goodput'], 2)} | {fmt_pct(s['slo_attainment'])} |"
             )
         lines.append("")
     if extra:
@@ -283,6 +283,6 @@ def plot_runs(out_dir: str | Path, runs: list[dict]) -> list[Path]:
         for m, run in top.items():
             name = "".join(c if c.isalnum() or c in "._-" else "-" for c in f"timeline_{m}{sfx}.png")
             marks = [(sw["sent"], f"-> {sw['label']}") for sw in run.get("switches") or []]
-            made.append(plot_timeline(out / name, by_mode[m], f"{m}, {w}, {_fmt(float(run['rate']), 2)} req/s",
+            made.append(plot_timeline(out / name, by_mode[m], f"{m}, {w}, {fmt_number(float(run['rate']), 2)} req/s",
                                       marks=marks))  # fmt: skip
     return made

@@ -25,6 +25,7 @@ import math
 import time
 
 from minipd.bench.metrics import RequestRecord, percentile, summarize
+from minipd.bench.report import fmt_number
 
 SWITCH_FIELDS = ("seconds", "serving_after_seconds", "requests_in_flight", "moved", "not_moved", "bytes",
                  "slowest_move_seconds", "outcomes")  # fmt: skip
@@ -196,10 +197,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # ---- tables ----------------------------------------------------------------------------------------
 
 
-def _f(x, digits: int = 0) -> str:
-    if x is None:
-        return "-"
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+def _f(x, digits: int = 0) -> str:  # whole numbers unless told otherwise
+    return fmt_number(x, digits)
 
 
 def _mode_text(mode) -> str:

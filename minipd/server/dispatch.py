@@ -40,18 +40,23 @@ class Dispatcher:
             log.exception("placing %s failed", state.request_id)
             r.fail(state, f"could not place the request: {err}")
 
-    async def _colocated(self, state: RequestState) -> bool:
+    async def _colocated(self, state: RequestState, role: str = "both") -> bool:
+        """The whole request on one worker: of the role `both`, or in disagg a prompt under
+        local_prefill_tokens on a decode worker, which reads it itself (no handoff to pay for)."""
         r = self.router
-        w = await self._pick(state, "both")
+        w = await self._pick(state, role)
         if w is None:
             return False
         p = r.assign(state, Placement(state.new_key(), worker=w.worker_id))
+        if role == "decode":
+            state.decode_worker = w.worker_id
+            self._path(state, "local", w.worker_id)
         return self._send_request(state, p)
 
     async def _disagg(self, state: RequestState) -> bool:
         r = self.router
         if len(state.prompt_token_ids) + len(state.output_token_ids) < r.mode.local_prefill_tokens:
-            return await self._local_prefill(state)
+            return await self._colocated(state, "decode")
         writer = await self._pick(state, "prefill")
         if writer is None or await self._pick(state, "decode") is None:
             return False
@@ -75,17 +80,6 @@ class Dispatcher:
             r.release_holders(state)
             return False
         return self._send_request(state, p, seat)
-
-    async def _local_prefill(self, state: RequestState) -> bool:
-        """A short prompt in disagg: its decode worker reads it itself (no handoff to pay for)."""
-        r = self.router
-        w = await self._pick(state, "decode")
-        if w is None:
-            return False
-        p = r.assign(state, Placement(state.new_key(), worker=w.worker_id))
-        state.decode_worker = w.worker_id
-        self._path(state, "local", w.worker_id)
-        return self._send_request(state, p)
 
     def _path(self, state: RequestState, path: str, worker: int) -> None:
         r = self.router

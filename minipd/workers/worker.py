@@ -16,6 +16,7 @@ import torch
 import zmq
 
 from minipd.config import EngineConfig
+from minipd.engine.block_manager import blocks_for
 from minipd.engine.engine import Engine, StepFailed
 from minipd.sampling_params import SamplingParams
 from minipd.transfer import shm, wire
@@ -254,7 +255,7 @@ class Worker:
             problem = f"worker {msg.reader} is not known here"
         elif seq is None or seq.is_finished or self.outgoing.get(msg.key) is not None:
             problem = "the request is not running here"
-        elif -(-(seq.num_tokens + 1) // self.engine.blocks.block_size) > len(msg.seat):
+        elif blocks_for(seq.num_tokens + 1, self.engine.blocks.block_size) > len(msg.seat):
             problem = f"the request ({seq.num_tokens} tokens) outgrew its seat of {len(msg.seat)} blocks"
         if problem is not None:
             if peer is not None:
@@ -366,7 +367,7 @@ class Worker:
             return
         try:
             meta, kv = self.engine.handoff_meta(key), self.engine.handoff_kv(key)
-            if -(-(meta.num_computed_tokens + 1) // self.engine.blocks.block_size) > len(h.seat):
+            if blocks_for(meta.num_computed_tokens + 1, self.engine.blocks.block_size) > len(h.seat):
                 raise ValueError(f"its KV ({meta.num_computed_tokens} tokens) outgrew its seat of {len(h.seat)} blocks")
         except Exception as err:  # nothing was written: the reader hears so now, not at the end of its lease
             log.exception("worker %d: the KV write of %s could not start", self.id, key)
