@@ -80,6 +80,7 @@ def test_switches_under_live_traffic_move_replies_without_changing_a_token(trans
                 moved = [t for r in greedy
                          if (t := server.get(f"/v1/requests/{r['id']}/timeline")[1])["moves"]]  # fmt: skip
                 assert moved and all(m["outcome"] == "moved" for t in moved for m in t["moves"])
+                assert all(m["tokens"] > len(PROMPTS[0]) for t in moved for m in t["moves"])  # prompt and reply so far
             wait_for_idle_workers(server, 20)
         same = server.post("/admin/mode", {"mode": "colocated", "workers": 2})[1]["switch"]
         assert same["changed"] is False and "nothing changed" in same["note"]

@@ -141,12 +141,16 @@ class Mover:
         await self.drain_worker(msg.worker_id, stop=True)
 
     # ---- what the workers and the router report --------------------------------------------------
-    def arrived(self, key: str, worker_id: int, data: dict) -> None:
+    def started(self, key: str, data: dict) -> None:
+        """The source froze the reply (move_start): how many tokens' KV goes."""
         entry = self.pending.get(key)
         if entry is not None:
-            rec = entry[0]
-            rec.bytes, rec.seconds = data.get("bytes", 0), data.get("seconds")
-            rec.tokens = data.get("tokens", 0)
+            entry[0].tokens = data.get("tokens", 0)
+
+    def arrived(self, key: str, data: dict) -> None:
+        entry = self.pending.get(key)
+        if entry is not None:
+            entry[0].bytes, entry[0].seconds = data.get("bytes", 0), data.get("seconds")
             self.finish(key, "moved")
 
     def finish(self, key: str, outcome: str, detail: str | None = None) -> None:

@@ -205,6 +205,8 @@ class Router:
                 if p.key not in self.mover.pending:
                     self.advisor.on_transfer(msg.data.get("bytes", 0), msg.data.get("seconds"))
                 self._arrived(state, msg)
+            elif msg.kind == "move_start" and msg.worker_id == p.worker:
+                self.mover.started(p.key, msg.data)
             elif msg.kind == "move_refused" and msg.worker_id == p.worker and p.reader == msg.data.get("to"):
                 p.reader, p.first_token_at = None, None  # it stays where it is; its seat goes back
                 self.mover.finish(p.key, "refused", msg.data.get("reason"))
@@ -219,7 +221,7 @@ class Router:
         p = state.placement
         p.worker, p.reader, p.first_token_at = msg.worker_id, None, None
         state.decode_worker = msg.worker_id
-        self.mover.arrived(p.key, msg.worker_id, msg.data)
+        self.mover.arrived(p.key, msg.data)
         if not self.mover.can_decode(self.pool.workers[msg.worker_id]):  # its reader's role changed meanwhile
             self.spawn(self.mover.move(state, "switch"))
 
@@ -345,14 +347,14 @@ class Router:
     def mode_report(self) -> dict:
         """Starting: the mode the server starts into. Switching: the mode served and the one coming.
         With the last switch's outcome."""
-        last = {"last_switch": self.switcher.last} if self.switcher.last is not None else {}
+        extra = {"last_switch": self.switcher.last} if self.switcher.last is not None else {}
         if self.advisor.enabled:
-            last["auto"] = True
+            extra["auto"] = True
         if not self.ready:
             return {**(self.target or self.mode).as_dict(), "starting": True}
         if self.target is not None:
-            return {**self.mode.as_dict(), "switching_to": self.target.as_dict(), **last}
-        return {**self.mode.as_dict(), **last}
+            return {**self.mode.as_dict(), "switching_to": self.target.as_dict(), **extra}
+        return {**self.mode.as_dict(), **extra}
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting; let what runs finish for up to `timeout` seconds; end the rest."""
