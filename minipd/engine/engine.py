@@ -35,6 +35,8 @@ class StepStats:
     num_decodes: int = 0  # sequences that advanced by one token
     scheduled: int = 0  # sequences the step carried (0: nothing could run)
     prefilling: list[str] = field(default_factory=list)  # requests that read prompt tokens this step
+    prefill_attention: int = 0  # (query, key) pairs the prompt tokens attend to
+    decode_context: int = 0  # tokens the decodes attend to, together
 
 
 class StepFailed(RuntimeError):
@@ -102,11 +104,9 @@ class Engine:
         self.last_step = stats
         if batch.is_empty:
             return []
-        if self.on_prefill_step is not None:
-            prefilling = [s.request_id for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill]
-            if prefilling:
-                tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill)
-                self.on_prefill_step(wall, tokens, len(batch.seqs) - len(prefilling), prefilling)
+        shape = batch.shape()
+        if self.on_prefill_step is not None and shape.prefilling:
+            self.on_prefill_step(wall, shape.prefill_tokens, shape.decodes, shape.prefilling)
         try:
             sampled = self.runner.run(batch)
         except Exception as err:
@@ -114,9 +114,8 @@ class Engine:
             for rid in ids:
                 self.scheduler.abort(rid)
             raise StepFailed(ids, err) from err
-        stats.prefilling = [s.request_id for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill]
-        stats.prefill_tokens = sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if n > 1 or s.in_prefill)
-        stats.num_decodes = len(batch.seqs) - len(stats.prefilling)
+        stats.prefilling, stats.prefill_tokens, stats.num_decodes = shape.prefilling, shape.prefill_tokens, shape.decodes
+        stats.prefill_attention, stats.decode_context = shape.prefill_attention, shape.decode_context
         self.scheduler.postprocess(batch, sampled)
         outputs = [
             StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,

@@ -32,6 +32,15 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class StepShape:
+    prefill_tokens: int = 0  # prompt (or recomputed) tokens read
+    prefill_attention: int = 0  # (query, key) pairs those tokens attend to
+    decodes: int = 0  # sequences that advance by one token
+    decode_context: int = 0  # tokens the decodes attend to, together
+    prefilling: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -48,6 +57,19 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    def shape(self) -> StepShape:
+        """What the step costs depends on (the simulator's step-time model is fitted on these)."""
+        out = StepShape()
+        for s, n in zip(self.seqs, self.num_new_tokens):
+            if n > 1 or s.in_prefill:
+                out.prefilling.append(s.request_id)
+                out.prefill_tokens += n
+                out.prefill_attention += n * s.num_computed_tokens + n * (n + 1) // 2
+            else:
+                out.decodes += 1
+                out.decode_context += s.num_computed_tokens + 1
+        return out
 
     def samples(self) -> list[bool]:
         """Which sequences reach the end of their known tokens this step, and so sample one."""

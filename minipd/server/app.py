@@ -351,6 +351,8 @@ class Api:
                          "inflight": r.load(w.worker_id), "kv_blocks_used": s.blocks_used if s else 0,
                          "kv_blocks_seated": s.blocks_seated if s else 0, "kv_blocks_booked": s.blocks_booked if s else 0,
                          "kv_blocks_total": w.info.num_blocks if w.info else None,
+                         "kv_block_size": w.info.block_size if w.info else None,
+                         "kv_bytes_per_token": w.info.kv_bytes_per_token if w.info else None,
                          "preemptions": s.num_preempted if s else 0, "handoffs": s.handoffs if s else {},
                          "step_seconds": round(w.step_s, 3), "draining": w.draining,
                          "integrity_error": s.integrity_error if s else None})  # fmt: skip

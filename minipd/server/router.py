@@ -160,7 +160,8 @@ class Router:
             self.advisor.on_step(msg.prefill_tokens, msg.num_decodes, msg.end - msg.start)
             self.events.publish({"type": "step", "worker": msg.worker_id, "time": msg.start, "end": msg.end,
                                  "prefill_tokens": msg.prefill_tokens, "decodes": msg.num_decodes,
-                                 "keys": msg.keys, "prefilling": msg.prefilling})  # fmt: skip
+                                 "keys": msg.keys, "prefilling": msg.prefilling,
+                                 "prefill_attention": msg.prefill_attention, "decode_context": msg.decode_context})  # fmt: skip
         elif isinstance(msg, m.StepStart):
             self.events.publish({"type": "step_start", "worker": msg.worker_id, "time": msg.start,
                                  "prefill_tokens": msg.prefill_tokens, "decodes": msg.num_decodes,

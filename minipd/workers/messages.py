@@ -142,6 +142,8 @@ class Step:
     num_decodes: int
     keys: list[str]
     prefilling: list[str]
+    prefill_attention: int = 0  # (query, key) pairs the prompt tokens attended to
+    decode_context: int = 0  # tokens the decodes attended to, together
 
 
 @message

@@ -427,7 +427,8 @@ class Worker:
             return  # nothing ran; blocks come back when a handoff or a seat ends
         end = stats.start + stats.duration
         self.send(m.Step(self.id, stats.start, end, stats.prefill_tokens, stats.num_decodes,
-                         [o.request_id for o in outputs], stats.prefilling))  # fmt: skip
+                         [o.request_id for o in outputs], stats.prefilling, stats.prefill_attention,
+                         stats.decode_context))  # fmt: skip
         for key in stats.prefilling:
             if key not in self.prefill_started:
                 self.prefill_started.add(key)
