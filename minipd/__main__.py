@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from minipd.server.cli import add_serve_parser
 
     add_serve_parser(sub, add_engine_args)
+    from minipd.trace.cli import add_trace_parser
+
+    add_trace_parser(sub)
     tools = {"demo": "the interference stall, live, in each mode",
              "bench": "the same traffic through each mode: goodput, link study, planner",
              "plan": "profile the workers and recommend a P:D split"}  # fmt: skip
