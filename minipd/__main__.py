@@ -64,13 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_parser(sub)
     tools = {"demo": "the interference stall, live, in each mode",
              "bench": "the same traffic through each mode: goodput, link study, planner",
-             "plan": "profile the workers and recommend a P:D split"}  # fmt: skip
+             "plan": "profile the workers and recommend a P:D split",
+             "profile": "measure the workers' step, transfer and host times into a profile JSON",
+             "sim": "bench's experiments on a simulated server (minipd's own scheduler, a profile's times)"}  # fmt: skip
     for name, text in tools.items():
         sub.add_parser(name, help=f"{text} (see its --help)", add_help=False)
     return parser
 
 
-TOOLS = {"demo": "minipd.demo.main", "bench": "minipd.bench.main", "plan": "minipd.bench.plan_main"}
+TOOLS = {"demo": "minipd.demo.main", "bench": "minipd.bench.main", "plan": "minipd.bench.plan_main",
+         "profile": "minipd.sim.profile_main", "sim": "minipd.sim.main"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -158,3 +158,91 @@ def test_goodput_search_link_study_and_plan_end_to_end(tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "nanoPD's rule at this study's 4 req/s" in report and "Plan for `summarize`" in report
     assert (tmp_path / "link_study_summarize.png").stat().st_size > 0
+
+
+class StandInModes(StandInServer):
+    """A stand-in with minipd's /admin/workers and /admin/mode: a token every 8 ms in colocated, every
+    4 ms in chunked (so chunked's TPOT is about half)."""
+
+    GAP = {"colocated": 0.008, "chunked": 0.004}
+
+    def __init__(self):
+        self.mode = "colocated"
+        self.prompts: list[tuple[str, int]] = []  # (mode, prompt length) of each request, as received
+        super().__init__()
+
+    def routes(self, app) -> None:
+        super().routes(app)
+        app.router.add_get("/admin/workers", self.workers)
+        app.router.add_post("/admin/mode", self.set_mode)
+
+    async def workers(self, request):
+        return web.json_response({"workers": [{"id": 0}, {"id": 1}], "kv_transport": "shm"})
+
+    async def set_mode(self, request):
+        self.mode = (await request.json())["mode"]
+        return web.json_response({"mode": self.mode})
+
+    async def completions(self, request):
+        body = await request.json()
+        self.prompts.append((self.mode, len(body["prompt"])))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(body["max_tokens"]):
+            await asyncio.sleep(self.GAP[self.mode])
+            chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": f" w{i}"}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+def test_repeats_run_every_mode_on_the_same_fresh_seeds_and_report_intervals(tmp_path):
+    server = StandInModes()
+    try:
+        code = run(["--url", server.url, "--quick", "--num-prompts", "4", "--rates", "20", "--seed", "5",
+                    "--repeats", "3", "--modes", "colocated,chunked:16", "--slo-ttft-ms", "500",
+                    "--slo-tpot-ms", "100", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    finally:
+        server.stop()
+    assert code == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    runs = doc["runs"]
+    # repeat outside mode: colocated and chunked on seed 5, then both on 6, then on 7
+    assert [(r["params"]["label"], r["params"]["repeat"], r["params"]["seed"]) for r in runs] == [
+        (m, i, 5 + i) for i in range(3) for m in ("colocated", "chunked:16")]  # fmt: skip
+    assert all(r["summary"]["completed"] == 4 for r in runs)
+    shapes = [[(q["prompt_len"], q["output_len_wanted"]) for q in r["records"]] for r in runs]
+    assert shapes[0] == shapes[1] and shapes[2] == shapes[3] and shapes[4] == shapes[5]  # paired: same requests
+    assert len({tuple(s) for s in shapes}) == 3  # fresh requests each repeat
+    assert len(server.prompts) == 24 and {m for m, _ in server.prompts} == {"colocated", "chunked"}
+
+    assert [(g["label"], g["n"], g["seeds"]) for g in doc["repeats"]] == [
+        ("colocated", 3, [5, 6, 7]), ("chunked:16", 3, [5, 6, 7])]  # fmt: skip
+    for g in doc["repeats"]:
+        for key in ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "median_itl_ms", "p90_itl_ms",
+                    "request_throughput", "output_throughput", "goodput", "slo_attainment"):  # fmt: skip
+            m = g["metrics"][key]
+            assert m["n"] == 3 and m["lo"] <= m["median"] <= m["hi"], (key, m)
+    (ab,) = doc["repeat_comparisons"]
+    assert (ab["label"], ab["baseline"], ab["n"]) == ("chunked:16", "colocated", 3)
+    tpot = ab["metrics"]["p90_tpot_ms"]
+    assert tpot["lo"] <= tpot["ratio"] <= tpot["hi"] < 0.9  # 4 ms a token against 8
+
+    md = (tmp_path / "report.md").read_text()
+    assert "## Repeats: median and 95% interval" in md and "**Rough**" in md
+    assert "| metric | colocated (3 runs) | chunked:16 (3 runs) |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| TPOT p90 (ms) |"))
+    assert row.count("[") == 2  # median [lo, hi] for both modes
+    assert "- `chunked:16` (3 paired runs, rough): goodput " in md
+    assert "TPOT p90 0." in md and "x colocated, 95% CI" in md
+    assert "| chunked:16 (repeat 3, seed 7) |" in md
+    assert {"slo_attainment.png", "latency_p90.png"} <= {p.name for p in tmp_path.glob("*.png")}
+
+
+def test_repeats_must_be_positive_and_not_with_switch_at(capsys):
+    assert bench_main.parse_args([]).repeats == 1
+    for argv, words in ((["--repeats", "0"], "--repeats must be >= 1"),
+                        (["--repeats", "2", "--switch-at", "1:disagg"], "does not go with --repeats")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            bench_main.parse_args(argv)
+        assert words in capsys.readouterr().err

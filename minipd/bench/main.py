@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
     g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
+    g.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run each point (workload x rate x mode) N times with seeds seed..seed+N-1 (other requests "
+                   "and arrivals each time, the same N for every mode) and report each metric's median with a 95%% "
+                   "bootstrap interval, and each mode against colocated as paired ratios")  # fmt: skip
     g = ap.add_argument_group("experiments")
     g.add_argument(
         "--modes",
@@ -97,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     from minipd.bench.experiment import parse_modes
     from minipd.bench.switching import parse_switch_at
 
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1 (got {args.repeats})")
+    if args.repeats > 1 and args.switch_at:
+        ap.error("--switch-at makes one run of its own; it does not go with --repeats")
     if args.switch_drain and not args.switch_at:
         ap.error("--switch-drain goes with --switch-at")
     args.modes = args.modes or ("colocated" if args.switch_at else "colocated,chunked:64,disagg:1p1d")
@@ -121,6 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(argv=None) -> int:
     args = parse_args(argv)
+    import dataclasses
     import json
 
     from minipd.bench import experiment as ex
@@ -167,13 +176,21 @@ def run(argv=None) -> int:
             print(report.switch_tables(runs[-1]), file=sys.stderr)
         for name in [] if args.switches else args.workloads.split(","):
             for rate in rates:
-                for label, body in modes:
-                    runs.append(ex.run_once(target, name, label, body, rate, settings))
-                    _say(runs[-1])
-                if name == "phases":
-                    group = [r for r in runs if r["workload"] == name and r["rate"] == rate]
-                    ph.attach_comparisons(group)
-                    print(report.phase_tables(group), file=sys.stderr)
+                # repeat outside mode: the modes of one repeat run close together, on the same seed (paired)
+                for i in range(args.repeats):
+                    if args.repeats > 1:
+                        print(f"repeat {i + 1}/{args.repeats} (seed {args.seed + i})", file=sys.stderr)
+                    for label, body in modes:
+                        runs.append(ex.run_once(target, name, label, body, rate, dataclasses.replace(
+                            settings, seed=args.seed + i), repeat=i))  # fmt: skip
+                        _say(runs[-1])
+                    if name == "phases":
+                        group = [r for r in runs if r["workload"] == name and r["rate"] == rate and r["repeat"] == i]
+                        ph.attach_comparisons(group)
+                        print(report.phase_tables(group), file=sys.stderr)
+                if args.repeats > 1:
+                    point = [r for r in runs if r["workload"] == name and r["rate"] == rate and "repeat" in r]
+                    print(report.repeat_tables(point), file=sys.stderr)
             if args.goodput_search:
                 for label, body in modes:
                     found = ex.goodput_search(target, name, label, body, settings, lo=min(rates), hi=8 * max(rates),
@@ -203,7 +220,8 @@ def run(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
-    ph.attach_comparisons(runs)
+    for i in range(args.repeats):  # each repeat's auto runs against the fixed modes of the same seed
+        ph.attach_comparisons([r for r in runs if r.get("repeat", 0) == i])
     everything = runs + link_runs + [r for s in searches for r in s["runs"]]
     report.write_results(args.out, everything)
     report.plot_runs(args.out, runs)
@@ -278,7 +296,7 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
     from minipd.bench import experiment as ex
 
     out = []
-    phase_text = report.phase_tables(runs)
+    phase_text = report.phase_tables_by_repeat(runs)
     if phase_text:
         out += ["## Phases: auto against the fixed modes", "", phase_text, ""]
     for run in runs:

@@ -1,0 +1,269 @@
+"""The simulated server: a discrete-event loop over minipd's own Scheduler and BlockManager, one
+pair per worker, with step times from a profile instead of a model. The router's rules are the
+real ones (server/dispatch.py, server/seats.py): the least loaded worker of a role, ties taken in
+turn; in disagg a decode seat (prompt + first token, headroom booked) before the prompt is read,
+first come first seated; a handoff's KV over the profile's link; a prompt under
+local_prefill_tokens prefilled on its decode worker. A worker handles messages (a new request, a
+seat, arrived KV) only between steps, as the real worker's loop does.
+
+What it leaves out, on purpose: requests that fail, moves and live switches, worker deaths."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from minipd.bench.metrics import RequestRecord
+from minipd.bench.workloads import BenchRequest
+from minipd.engine.block_manager import BlockManager, blocks_for
+from minipd.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from minipd.engine.sequence import Sequence, SequenceStatus
+from minipd.sampling_params import SamplingParams
+from minipd.server.modes import Mode
+from minipd.sim.profile import Profile, draw
+
+TOKEN = 1  # what every simulated step samples (the bench's requests ignore EOS: lengths are exact)
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    req: BenchRequest
+    key: str
+    record: RequestRecord
+    worker: int | None = None  # where it runs (the writer, in disagg, until its KV lands)
+    reader: int | None = None
+    path: str | None = None
+    kv_bytes: int = 0
+    kv_seconds: float | None = None
+    events: dict = field(default_factory=dict)  # as a real request's timeline names them
+
+
+@dataclass(slots=True)
+class Options:
+    transport: str = "shm"
+    kv_link_gbps: float | None = None
+    kv_link_latency_ms: float | None = None
+    trace: bool = False  # keep /admin/events-style events (steps, transfers) for a trace
+    seed: int = 0  # for the step-time and delivery noise drawn from the profile's measured spread
+
+
+class SimWorker:
+    def __init__(self, sim: Simulation, worker_id: int, role: str, mode: Mode):
+        w = sim.profile.worker
+        self.sim, self.id, self.role = sim, worker_id, role
+        self.blocks = BlockManager(w.num_blocks, w.block_size)
+        config = SchedulerConfig(policy=mode.policy, role="both" if role == "idle" else role,
+                                 chunk_tokens=mode.chunk_tokens, max_num_seqs=w.max_num_seqs,
+                                 max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=w.max_model_len)  # fmt: skip
+        self.scheduler = Scheduler(config, self.blocks)
+        self.stepping = False
+        self.load = 0  # requests placed here, as the router counts them
+        self.at_boundary: list = []  # messages that wait for the step under way to end
+        self.busy_s = 0.0
+        self.steps = 0
+        self.hold_s = 0.0  # the loop copies KV out (shm writes in place) before its next step
+
+    def deliver(self, fn, *args) -> None:
+        """A message to this worker: handled now if it is between steps, else when its step ends."""
+        if self.stepping:
+            self.at_boundary.append((fn, args))
+        else:
+            fn(*args)
+            self.kick()
+
+    def kick(self) -> None:
+        if not self.stepping and self.scheduler.num_unfinished:
+            self.stepping = True
+            self.sim.at(self.sim.now, self._start)
+
+    def _start(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:  # no room until a block comes back (a handoff or a seat ends): kicked then
+            self.stepping = False
+            return
+        s = batch.shape()
+        step = self.sim.profile.step
+        seconds = step.seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context)
+        if step.noise:
+            seconds *= draw(step.noise, self.sim.rng.random())
+        self.sim.at(self.sim.now + seconds, self._end, batch, self.sim.now, s)
+
+    def _end(self, batch: ScheduledBatch, started: float, shape) -> None:
+        sim, now = self.sim, self.sim.now
+        self.busy_s += now - started
+        self.steps += 1
+        sampled = [TOKEN if flag else None for flag in batch.samples()]
+        left = self.scheduler.postprocess(batch, sampled)
+        host = sim.profile.host
+        at_client = now + (draw(host.token_quantiles, sim.rng.random()) if host.token_quantiles else host.token_s)
+        keys = []
+        for key in shape.prefilling:
+            sim.requests[key].events.setdefault("prefill_start", started)
+        for seq, token in zip(batch.seqs, sampled):
+            if token is not None:
+                sr = sim.requests[seq.request_id]
+                if not sr.record.token_times:
+                    sr.events["prefill_end"] = now
+                sr.record.token_times.append(at_client)
+                keys.append(seq.request_id)
+        if sim.events is not None:
+            sim.events.append({"type": "step", "worker": self.id, "time": started, "end": now,
+                               "prefill_tokens": shape.prefill_tokens, "decodes": shape.decodes, "keys": keys,
+                               "prefilling": shape.prefilling, "prefill_attention": shape.prefill_attention,
+                               "decode_context": shape.decode_context})  # fmt: skip
+        for seq in left:
+            if seq.status is SequenceStatus.HANDOFF:
+                sim.hand_off(self, seq)
+            else:
+                sim.finished(sim.requests[seq.request_id], self)
+        waiting, self.at_boundary = self.at_boundary, []
+        self.stepping = False
+        for fn, args in waiting:
+            fn(*args)
+        if self.scheduler.num_unfinished and not self.stepping:
+            self.stepping = True
+            delay, self.hold_s = sim.profile.step.gap + self.hold_s, 0.0
+            sim.at(now + delay, self._start)
+
+
+class Simulation:
+    def __init__(self, profile: Profile, mode: Mode, num_workers: int, options: Options | None = None):
+        mode.check(num_workers)
+        self.profile, self.mode, self.options = profile, mode, options or Options()
+        self.now = 0.0
+        self.rng = random.Random(self.options.seed)
+        self.heap: list = []
+        self.counter = itertools.count()
+        self.workers = [SimWorker(self, i, role, mode) for i, role in enumerate(mode.roles(num_workers))]
+        self.requests: dict[str, SimRequest] = {}
+        self.seat_queue: deque[SimRequest] = deque()
+        self.turn: dict[str, int] = {}
+        self.events: list[dict] | None = [] if self.options.trace else None
+        self.link = profile.link(self.options.transport, self.options.kv_link_gbps, self.options.kv_link_latency_ms)
+
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.heap, (t, next(self.counter), fn, args))
+
+    def run(self, requests: list[BenchRequest]) -> list[RequestRecord]:
+        for r in requests:
+            self.at(r.arrival, self._arrive, r)
+        while self.heap:
+            t, _, fn, args = heapq.heappop(self.heap)
+            self.now = t
+            fn(*args)
+        return [self.requests[f"r{r.index}.1"].record for r in requests]
+
+    # ---- the router ----------------------------------------------------------------------------
+    def _arrive(self, r: BenchRequest) -> None:
+        rec = RequestRecord(r.index, r.prompt_len, r.output_len, send_time=self.now)
+        sr = SimRequest(r, f"r{r.index}.1", rec)
+        self.requests[sr.key] = sr
+        self.at(self.now + self.profile.host.dispatch_s, self._place, sr)
+
+    def _place(self, sr: SimRequest) -> None:
+        sr.events["dispatched"] = self.now
+        if self.mode.name != "disagg":
+            self._send(sr, self._pick("both"), hand_off=None)
+        elif sr.req.prompt_len < self.mode.local_prefill_tokens:
+            sr.path = "local"
+            self._send(sr, self._pick("decode"), hand_off=None)
+        else:
+            sr.path = "remote"
+            sr.worker = self._pick("prefill").id  # the writer is chosen first, as dispatch does
+            self.workers[sr.worker].load += 1
+            self.seat_queue.append(sr)
+            self._pump_seats()
+
+    def _pick(self, role: str) -> SimWorker:
+        n = len(self.workers)
+        turn = self.turn.get(role, 0)
+        w = min((w for w in self.workers if w.role == role), key=lambda w: (w.load, (w.id - turn) % n))
+        self.turn[role] = w.id + 1
+        return w
+
+    def _send(self, sr: SimRequest, w: SimWorker, hand_off: bool | None) -> None:
+        if sr.worker != w.id:
+            w.load += 1
+        sr.worker = w.id
+        w.deliver(self._add, w, sr, hand_off)
+
+    def _add(self, w: SimWorker, sr: SimRequest, hand_off: bool | None) -> None:
+        r = sr.req
+        seq = Sequence.new(sr.key, [TOKEN] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True,
+                                                                          temperature=0.0))  # fmt: skip
+        seq.hand_off = hand_off
+        w.scheduler.add(seq)
+
+    def _pump_seats(self) -> None:
+        """First come, first seated: a seat on the least loaded decode worker with room."""
+        bs = self.profile.worker.block_size
+        while self.seat_queue:
+            sr = self.seat_queue[0]
+            n = sr.req.prompt_len
+            now_blocks = blocks_for(n + 1, bs)
+            headroom_tokens = max(0, min(self.profile.worker.decode_headroom_tokens, sr.req.output_len,
+                                         self.profile.worker.num_blocks * bs - n - 1))  # fmt: skip
+            headroom = max(0, blocks_for(n + 1 + headroom_tokens, bs) - now_blocks)
+            n_workers = len(self.workers)
+            turn = self.turn.get("seat", 0)
+            readers = sorted((w for w in self.workers if w.role == "decode"),
+                             key=lambda w: (w.load, (w.id - turn) % n_workers))  # fmt: skip
+            reader = next((w for w in readers if w.blocks.add_seat(sr.key, now_blocks, headroom) is not None), None)
+            if reader is None:
+                return  # waits until a decode worker frees blocks
+            self.turn["seat"] = reader.id + 1
+            self.seat_queue.popleft()
+            reader.load += 1
+            sr.reader = reader.id
+            writer = self.workers[sr.worker]
+            reader.deliver(writer.deliver, self._add, writer, sr, True)  # the grant leaves the reader between steps
+
+    # ---- KV handoffs -------------------------------------------------------------------------------
+    def hand_off(self, writer: SimWorker, seq: Sequence) -> None:
+        sr = self.requests[seq.request_id]
+        num_bytes = seq.num_computed_tokens * self.profile.worker.kv_bytes_per_token
+        seconds = self.link.seconds(num_bytes)
+        if self.link.blocks_writer:
+            writer.hold_s += seconds
+        sr.kv_bytes, sr.kv_seconds = num_bytes, seconds
+        if self.events is not None:
+            self.events.append({"type": "request", "kind": "transfer_start", "request_id": sr.key[:-2], "key": sr.key,
+                                "worker": writer.id, "time": self.now, "bytes": num_bytes, "to": sr.reader})  # fmt: skip
+        self.at(self.now + seconds, self._transferred, writer, sr, seq)
+
+    def _transferred(self, writer: SimWorker, sr: SimRequest, seq: Sequence) -> None:
+        writer.scheduler.release_handoff(sr.key)
+        writer.load -= 1
+        writer.kick()
+        if self.events is not None:
+            self.events.append({"type": "request", "kind": "transfer_end", "request_id": sr.key[:-2], "key": sr.key,
+                                "worker": sr.reader, "time": self.now, "bytes": sr.kv_bytes,
+                                "seconds": sr.kv_seconds, "from": writer.id})  # fmt: skip
+        reader = self.workers[sr.reader]
+        reader.deliver(self._import, reader, sr, seq)
+
+    def _import(self, reader: SimWorker, sr: SimRequest, seq: Sequence) -> None:
+        moved = Sequence.new(sr.key, seq.prompt_token_ids, seq.params)
+        moved.token_ids = list(seq.token_ids)
+        moved.num_computed_tokens = seq.num_computed_tokens
+        moved.block_table = reader.blocks.claim_seat(sr.key)
+        sr.worker = reader.id
+        reader.scheduler.add_imported(moved)
+
+    def finished(self, sr: SimRequest, w: SimWorker) -> None:
+        w.load -= 1
+        sr.record.output_tokens = len(sr.record.token_times)
+        sr.record.end_time = sr.record.token_times[-1] if sr.record.token_times else self.now
+        sr.record.server_timeline = {"request_id": sr.key[:-2], "arrival": sr.record.send_time, "path": sr.path,
+                                     "events": sr.events, "kv_transfer": {"bytes": sr.kv_bytes, "seconds": sr.kv_seconds}}  # fmt: skip
+        if w.role == "decode":
+            self._pump_seats()
+
+
+def simulate(profile: Profile, requests: list[BenchRequest], mode: Mode, num_workers: int,
+             options: Options | None = None) -> tuple[list[RequestRecord], Simulation]:  # fmt: skip
+    sim = Simulation(profile, mode, num_workers, options)
+    return sim.run(requests), sim

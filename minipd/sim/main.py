@@ -1,0 +1,174 @@
+"""python -m minipd sim: the bench's experiments on a simulated server, from a profile (measured by
+`python -m minipd profile`, or a roofline estimate for an accelerator), driving minipd's own
+scheduler and block manager. Same workloads, seeds, modes and SLO flags as bench; the same
+results.json, report and plots, every run marked simulated.
+
+    python -m minipd profile --quick --out profile.json
+    python -m minipd sim --profile profile.json --quick --workloads chat --rates 0.5,1 --modes colocated,disagg:1p1d
+    python -m minipd sim --estimate h100 --workers 64 --modes disagg:16p48d --rates 50 --num-prompts 20000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minipd.cli_help import DefaultsFormatter
+
+
+def add_traffic_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("traffic (as bench)")
+    g.add_argument("--workloads", default=None, help="comma-separated: chat, summarize, mixed, fixed, phases")
+    g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
+    g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
+    g.add_argument("--quick", action="store_true", help="the bench's lengths for a 2-core CPU")
+    g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s)")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
+    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
+    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
+    g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests as bench's")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO on time per output token")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m minipd sim", description=__doc__.split("\n\n")[0],
+                                 formatter_class=DefaultsFormatter)  # fmt: skip
+    g = ap.add_argument_group("what is simulated")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="a profile JSON from `python -m minipd profile`")
+    src.add_argument("--estimate", metavar="ACCELERATOR", help="a roofline estimate instead (see --list-accelerators)")
+    g.add_argument("--params", type=float, default=8e9, help="with --estimate: the model's parameters")
+    g.add_argument("--kv-bytes-per-token", type=int, default=131072, help="with --estimate: KV bytes per token")
+    g.add_argument("--dtype-bytes", type=int, default=2, help="with --estimate: bytes per weight")
+    g.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV cache per worker in tokens (default: the profile's; with --estimate 262144)")
+    g.add_argument("--workers", type=int, default=2, help="simulated workers")
+    g.add_argument("--kv-transport", default=None, help="which of the profile's links a handoff uses (default: its first)")
+    add_traffic_args(ap)
+    g = ap.add_argument_group("experiments")
+    g.add_argument("--modes", default="colocated,chunked:64,disagg:1p1d",
+                   help="colocated, chunked[:TOKENS], disagg[:PpDd[:localN]], as bench's")
+    g.add_argument("--goodput-search", action="store_true", help="DistServe's goodput by a rate search, simulated")
+    g.add_argument("--search-max-runs", type=int, default=8, help="probes per goodput search")
+    g.add_argument("--trace", action="store_true", help="also write each run's Chrome/Perfetto trace")
+    g.add_argument("--out", default="sim-out", help="folder for results.json, report.md and the plots")
+    args = ap.parse_args(argv)
+    from minipd.bench.experiment import parse_modes
+    from minipd.bench.workloads import workload_names
+
+    try:
+        args.workloads = ",".join(workload_names(args.workloads, args.input_len, args.output_len, "--workloads"))
+        args.mode_list = parse_modes(args.modes)
+    except ValueError as err:
+        ap.error(str(err))
+    if any(b.get("mode") not in ("colocated", "chunked", "disagg") for _, b in args.mode_list):
+        ap.error("the simulator runs colocated, chunked and disagg modes (not auto or server)")
+    if args.num_prompts is None and args.duration is None:
+        args.num_prompts = 20
+    if args.goodput_search and not (args.slo_ttft_ms and args.slo_tpot_ms):
+        ap.error("--goodput-search needs --slo-ttft-ms and --slo-tpot-ms")
+    return args
+
+
+def load_profile(args):
+    from minipd.sim import profile as pf
+
+    if args.profile:
+        p = pf.Profile.load(args.profile)
+    else:
+        acc = pf.ACCELERATORS.get(args.estimate.lower())
+        if acc is None:
+            raise SystemExit(f"unknown accelerator {args.estimate!r}: one of {', '.join(pf.ACCELERATORS)}")
+        worker = pf.WorkerShape(num_blocks=(args.kv_cache_tokens or 262144) // 16, kv_bytes_per_token=args.kv_bytes_per_token)
+        p = pf.roofline(acc, args.params, args.kv_bytes_per_token, args.params * args.dtype_bytes, worker)
+    if args.kv_cache_tokens and args.profile:
+        p.worker.num_blocks = args.kv_cache_tokens // p.worker.block_size
+    return p
+
+
+def run(argv=None) -> int:
+    args = parse_args(argv)
+    import json
+
+    from minipd.bench import experiment as ex
+    from minipd.bench import report
+    from minipd.sim.cluster import Options
+    from minipd.sim.runs import sim_goodput, sim_once
+
+    profile = load_profile(args)
+    transport = args.kv_transport or next(iter(profile.links), "shm")
+    options = Options(transport, trace=args.trace)
+    settings = ex.Settings(args.num_prompts, args.duration, args.burstiness, args.seed, args.quick, args.input_len,
+                           args.output_len, None, args.slo_ttft_ms, args.slo_tpot_ms, False)  # fmt: skip
+    rates = [float(r) for r in args.rates.split(",")]
+    print(f"simulating {args.workers} workers from a {profile.source} profile", file=sys.stderr)
+    runs, searches = [], []
+    for name in args.workloads.split(","):
+        for rate in rates:
+            for label, body in args.mode_list:
+                runs.append(sim_once(profile, name, label, body, rate, settings, args.workers, options))
+                _say(runs[-1])
+        if args.goodput_search:
+            for label, body in args.mode_list:
+                found = sim_goodput(profile, name, label, body, settings, args.workers, min(rates), 8 * max(rates),
+                                    args.search_max_runs, options)  # fmt: skip
+                searches.append(found)
+                print(f"goodput {name} {label}: {found['goodput_rate']:.2f} req/s (simulated)", file=sys.stderr)
+    import pathlib
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        write_traces(out, runs)
+    for r in runs:
+        r.pop("events", None)
+    report.write_results(out, runs + [r for s in searches for r in s["runs"]])
+    report.plot_runs(out, runs)
+    (out / "profile.json").write_text(json.dumps(profile.to_dict() | {"points": "(omitted)"}, indent=1, default=str))
+    extra = [profile_note(profile), ""]
+    if searches:
+        extra += ["## DistServe goodput (simulated)", "", "| workload | mode | goodput (req/s) | per worker | probes |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for s in searches:
+            probes = ", ".join(f"{r:.2f}: {a:.0%}" for r, a in s["probes"])
+            extra.append(f"| {s['workload']} | {s['label']} | {s['goodput_rate']:.2f} | {s['goodput_per_worker']:.2f} "
+                         f"| {probes} |")  # fmt: skip
+    report.write_report_md(out, runs, "minipd sim (simulated, not measured)",
+                           "python -m minipd sim " + " ".join(sys.argv[2:] if argv is None else argv), "\n".join(extra))  # fmt: skip
+    print(f"wrote {out}/report.md, results.json and the plots", file=sys.stderr)
+    return 0
+
+
+def profile_note(profile) -> str:
+    about = profile.about
+    what = ("**Simulated** from a profile measured on " + ", ".join(
+        f"{k} {about[k]}" for k in ("model", "workers", "kv_transport") if k in about)
+        + (f" ({about['machine'].get('cpu', '?')}, {about['machine'].get('isa', '?')})" if "machine" in about else "")
+        if not profile.is_estimate else f"**Simulated** from a **{profile.source}**: not measured anywhere")  # fmt: skip
+    s = profile.step
+    return (f"## How this was made\n\n{what}. Step time = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us per "
+            f"prompt token + {s.per_attention_pair * 1e9:.3f} ns per (query, key) pair + {s.per_decode * 1e3:.3f} ms per "
+            f"decode + {s.per_decode_context * 1e6:.3f} us per token of decode context; {s.gap * 1e3:.2f} ms between "
+            f"steps. Host: {profile.host.dispatch_s * 1e3:.1f} ms to place a request, {profile.host.token_s * 1e3:.1f} ms "
+            f"from a step's end to the client. Links: " + ", ".join(
+                f"{k} {v.latency_s * 1e3:.2f} ms + {v.bytes_per_s * 8 / 1e9:.2f} Gb/s" for k, v in profile.links.items()))  # fmt: skip
+
+
+def write_traces(out, runs) -> None:
+    import json
+
+    from minipd.trace.chrome import to_chrome_trace
+
+    for r in runs:
+        name = f"trace_{r['workload']}_{r['label']}_{r['rate']:g}".replace(":", "-").replace("/", "-")
+        trace = to_chrome_trace(r.get("events") or [], title=f"minipd sim: {r['label']} {r['workload']} @ {r['rate']:g}")
+        (out / f"{name}.json").write_text(json.dumps(trace))
+
+
+def _say(run: dict) -> None:
+    s = run["summary"]
+    att = "" if s["slo_attainment"] is None else f", SLO attainment {s['slo_attainment']:.0%}"
+    print(f"{run['workload']:>9} {run['label']:>18} @ {run['rate']:g} req/s: {s['completed']}/{s['num_requests']} done, "
+          f"TTFT p50 {s['median_ttft_ms'] or 0:.0f} ms, TPOT p50 {s['median_tpot_ms'] or 0:.0f} ms{att} "
+          f"(simulated in {run['sim']['wall_seconds']:.2f} s)", file=sys.stderr)  # fmt: skip

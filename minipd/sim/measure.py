@@ -1,0 +1,152 @@
+"""Measuring a profile on real workers: a few loads that cover the step model's terms (prompts of
+several lengths read alone, decode batches of several sizes and contexts, prompt chunks beside
+decodes, KV handoffs of several sizes), through a running minipd server, with every engine step
+read back from GET /admin/events. Nothing here is fitted to the runs a simulation is checked on."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+from minipd.bench.client import run_load
+from minipd.bench.metrics import RequestRecord
+from minipd.bench.plan import _steps_since
+from minipd.bench.target import Target
+from minipd.bench.workloads import BenchRequest
+from minipd.sim.profile import Host, Profile, WorkerShape, fit_link, fit_steps, quantiles
+
+GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work): the gap is its loop
+
+
+def _load(target: Target, requests: list[BenchRequest], seed: int, concurrency: int | None = None):
+    return asyncio.run(run_load(target.url, target.model, requests, api_key=target.api_key, seed=seed,
+                                progress=False, max_concurrency=concurrency))  # fmt: skip
+
+
+def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> Profile:
+    """Profile the target's workers (it switches the server's mode; the last one is left set)."""
+    if not target.is_minipd:
+        raise RuntimeError("a profile is measured on minipd workers (it reads their engine steps)")
+    since = time.time()
+    records: list[RequestRecord] = []
+    alone: list[RequestRecord] = []  # sent with nothing else in flight
+    lengths = [16, 128, 512, 1024] if quick else [16, 128, 512, 1024, 2048]
+    batches = [1, 4, 8, 16] if quick else [1, 4, 8, 16, 32]
+    out_len = 24 if quick else 48
+    n = iter(range(10**6))
+
+    def load(reqs, concurrency=None):
+        got = _load(target, reqs, seed + next(n), concurrency)
+        bad = [r.error for r in got if r.error]
+        if bad:
+            raise RuntimeError(f"a profiling request failed: {bad[0]}")
+        records.extend(got)
+        if concurrency == 1:
+            alone.extend(got)
+
+    say("profile: prompts read alone")
+    target.set_mode({"mode": "colocated", "workers": 1})
+    load([BenchRequest(0, 32, 4, 0.0)])  # warm
+    load([BenchRequest(i, L, 4, 0.0) for i, L in enumerate(lengths)], concurrency=1)
+    say("profile: decode batches")
+    for b in batches:
+        load([BenchRequest(i, 32, out_len, 0.0) for i in range(b)])
+    load([BenchRequest(i, min(1024, target.max_model_len // 2), out_len, 0.0) for i in range(8)])
+    say("profile: prompt chunks beside decodes")
+    target.set_mode({"mode": "chunked", "chunk_tokens": 256, "workers": 1})
+    load([BenchRequest(i, 64, 3 * out_len, 0.0) for i in range(6)] +
+         [BenchRequest(6 + i, 1024 if not quick else 512, 2, 0.4 * (i + 1)) for i in range(3)])  # fmt: skip
+    target.set_mode({"mode": "colocated", "workers": 1})
+    load([BenchRequest(i, 64, 3 * out_len, 0.0) for i in range(4)] +
+         [BenchRequest(4 + i, 256, 2, 0.3 * (i + 1)) for i in range(3)])  # fmt: skip
+    transfers: list[tuple[int, float]] = []
+    if target.num_workers >= 2:
+        say("profile: KV handoffs")
+        target.set_mode({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None,
+                         "local_prefill_tokens": 0})  # fmt: skip
+        before = len(records)
+        load([BenchRequest(i, L, 4, 0.0) for i, L in enumerate(lengths)], concurrency=1)
+        for r in records[before:]:
+            kv = (r.server_timeline or {}).get("kv_transfer") or {}
+            if kv.get("bytes") and kv.get("seconds"):
+                transfers.append((kv["bytes"], kv["seconds"]))
+    time.sleep(0.3)  # the last steps' events reach the log
+    steps = _steps_since(target, since)
+    return build(target, steps, records, transfers, quick, alone)
+
+
+def build(target: Target, steps: list[dict], records: list[RequestRecord], transfers: list[tuple[int, float]],
+          quick: bool, alone: list[RequestRecord]) -> Profile:  # fmt: skip
+    """The profile from what was measured."""
+    steps = [s for s in steps if "prefill_attention" in s]
+    cost, quality = fit_steps(steps)
+    cost.gap = _loop_gap(steps)
+    _, workers = target.get("/admin/workers")
+    w0 = workers["workers"][0]
+    shape = WorkerShape(num_blocks=w0["kv_blocks_total"], block_size=w0.get("kv_block_size") or 16,
+                        max_model_len=target.max_model_len, kv_bytes_per_token=w0.get("kv_bytes_per_token") or 0)  # fmt: skip
+    transport = target.kv_transport or "shm"
+    links = {transport: fit_link(transfers, blocks_writer=transport == "shm")} if transfers else {}
+    delays = _token_delays(steps, records)
+    host = Host(dispatch_s=_median([r.server_timeline["events"]["dispatched"] - r.send_time for r in alone
+                                    if r.server_timeline and "dispatched" in r.server_timeline.get("events", {})]),
+                token_s=_median(delays), token_quantiles=quantiles(delays) if delays else [])  # fmt: skip
+    about = {"model": target.model, "workers": target.num_workers, "kv_transport": transport,
+             "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "step_fit": quality, "quick": quick}  # fmt: skip
+    points = {"steps": [{k: s[k] for k in ("worker", "time", "end", "prefill_tokens", "prefill_attention", "decodes",
+                                            "decode_context")} for s in steps],
+              "transfers": transfers}  # fmt: skip
+    return Profile(cost, shape, links, host, "measured", about, points)
+
+
+def _loop_gap(steps: list[dict]) -> float:
+    by_worker = defaultdict(list)
+    for s in steps:
+        by_worker[s["worker"]].append(s)
+    gaps = []
+    for ws in by_worker.values():
+        ws.sort(key=lambda s: s["time"])
+        gaps += [b["time"] - a["end"] for a, b in zip(ws, ws[1:]) if 0 <= b["time"] - a["end"] < GAP_CAP_S]
+    return _median(gaps)
+
+
+def _token_delays(steps: list[dict], records: list[RequestRecord]) -> list[float]:
+    """A step's end -> the client's receipt of the token it made, for requests whose every token
+    arrived in a chunk of its own (the i-th step that produced a token for the request made token i)."""
+    ends = defaultdict(list)
+    for s in steps:
+        for key in s["keys"]:
+            ends[key.rpartition(".")[0]].append(s["end"])
+    out = []
+    for r in records:
+        rid = (r.server_timeline or {}).get("request_id")
+        made = sorted(ends.get(rid, []))
+        if rid and len(made) == len(r.token_times):
+            out += [t - e for t, e in zip(r.token_times, made)]
+    return out
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+def _machine() -> dict:
+    out = {"processor": platform.processor() or platform.machine(), "python": platform.python_version()}
+    try:
+        import torch
+
+        out["isa"] = torch.backends.cpu.get_cpu_capability()
+        out["torch"] = torch.__version__
+    except Exception:  # the profile is still useful without it
+        pass
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                out["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return out

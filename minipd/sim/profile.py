@@ -1,0 +1,230 @@
+"""A profile: what a worker's engine step costs, what moving KV costs, and what the host adds, as
+plain numbers in a JSON file. `python -m minipd profile` measures one (sim/measure.py); `roofline`
+estimates one from an accelerator's published figures. The simulator and the planner read it.
+
+The step model is linear in what the scheduler put in the step (StepShape):
+
+    step = fixed + prefill_tokens * per_prefill_token + prefill_attention * per_attention_pair
+                 + decodes * per_decode + decode_context * per_decode_context
+
+fitted on measured steps by non-negative least squares on relative error (a 20 ms decode step
+counts as much as a 2 s prefill), and `gap` is the worker's own time between two steps."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = 1
+TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context")
+
+
+def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> tuple:
+    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context))
+
+
+@dataclass(slots=True)
+class StepCost:
+    fixed: float = 0.0
+    per_prefill_token: float = 0.0
+    per_attention_pair: float = 0.0
+    per_decode: float = 0.0
+    per_decode_context: float = 0.0
+    gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
+    noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
+
+    def seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> float:
+        return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
+                + decodes * self.per_decode + decode_context * self.per_decode_context)  # fmt: skip
+
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        return self.seconds(prompt_tokens, prompt_tokens * (prompt_tokens + 1) // 2, 0, 0)
+
+    def decode_seconds(self, batch: int, context: float) -> float:
+        return self.seconds(0, 0, batch, int(batch * context))
+
+
+@dataclass(slots=True)
+class Link:
+    """One KV transfer: latency + bytes / bytes_per_s. blocks_writer: the writer's loop does the copy
+    (shm writes in place), so its next step waits for it."""
+
+    latency_s: float
+    bytes_per_s: float
+    blocks_writer: bool = False
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(slots=True)
+class WorkerShape:
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    kv_bytes_per_token: int = 0
+    decode_headroom_tokens: int = 512  # booked in a decode seat (the dispatcher's default)
+
+
+@dataclass(slots=True)
+class Host:
+    dispatch_s: float = 0.0  # request sent -> on its worker (HTTP, router, placing)
+    token_s: float = 0.0  # a step's end -> its token at the client (relay, detokenizer, HTTP)
+    token_quantiles: list[float] = field(default_factory=list)  # its measured spread ([]: always token_s)
+
+
+@dataclass(slots=True)
+class Profile:
+    step: StepCost
+    worker: WorkerShape
+    links: dict[str, Link]
+    host: Host
+    source: str = "measured"  # or "estimate (roofline ...)": said in every output made from it
+    about: dict = field(default_factory=dict)  # the machine, model, dtype, threads, fit quality, date
+    points: dict = field(default_factory=dict)  # what the fits came from
+
+    @property
+    def is_estimate(self) -> bool:
+        return self.source != "measured"
+
+    def link(self, transport: str, gbps: float | None = None, latency_ms: float | None = None) -> Link:
+        """The transport's measured link, or an emulated one (tcp at `gbps`, as serve's --kv-link-gbps)."""
+        base = self.links.get(transport) or next(iter(self.links.values()), Link(0.0, math.inf))
+        if gbps is None:
+            return base
+        latency = base.latency_s if latency_ms is None else latency_ms / 1e3
+        return Link(latency, min(base.bytes_per_s, gbps * 1e9 / 8), base.blocks_writer)
+
+    def to_dict(self) -> dict:
+        return {"minipd_profile": FORMAT, "source": self.source, "about": self.about, "step": asdict(self.step),
+                "worker": asdict(self.worker), "links": {k: asdict(v) for k, v in self.links.items()},
+                "host": asdict(self.host), "points": self.points}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        if d.get("minipd_profile") != FORMAT:
+            raise ValueError(f"not a minipd profile (format {FORMAT}): keys {sorted(d)[:8]}")
+        return cls(StepCost(**d["step"]), WorkerShape(**d["worker"]),
+                   {k: Link(**v) for k, v in d["links"].items()}, Host(**d["host"]), d.get("source", "measured"),
+                   d.get("about", {}), d.get("points", {}))  # fmt: skip
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=1, default=str))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
+    """Fit the step model on step events ({prefill_tokens, prefill_attention, decodes, decode_context,
+    time, end}); returns it and the fit's quality (relative errors on the steps it was fitted on)."""
+    xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"])
+                   for s in steps])  # fmt: skip
+    ys = np.array([s["end"] - s["time"] for s in steps])
+    keep = ys > 0
+    xs, ys = xs[keep], ys[keep]
+    if len(ys) < len(TERMS):
+        raise ValueError(f"{len(ys)} steps are too few to fit a step model of {len(TERMS)} terms")
+    coef = nonnegative_lstsq(xs / ys[:, None], np.ones_like(ys))
+    predicted = xs @ coef
+    rel = np.abs(predicted - ys) / ys
+    quality = {"steps": int(len(ys)), "median_abs_rel_error": float(np.median(rel)),
+               "p90_abs_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
+    noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
+    return StepCost(**dict(zip(TERMS, map(float, coef))), noise=noise), quality
+
+
+def quantiles(values, n: int = 21) -> list[float]:
+    """n evenly spaced quantiles (0%, 5%, ..., 100% for 21): a distribution small enough to keep."""
+    return [float(q) for q in np.percentile(np.asarray(values, dtype=float), np.linspace(0, 100, n))]
+
+
+def draw(qs: list[float], u: float) -> float:
+    """The value at uniform u in [0, 1) of the distribution whose quantiles are qs (linear between them)."""
+    x = u * (len(qs) - 1)
+    i = int(x)
+    return qs[i] + (qs[i + 1] - qs[i]) * (x - i) if i + 1 < len(qs) else qs[-1]
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """min |a x - b| with x >= 0, exactly, by trying every set of free terms (there are five)."""
+    best, best_res = np.zeros(a.shape[1]), float(np.sum(b * b))
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(range(a.shape[1]), k):
+            x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.any(x < 0):
+                continue
+            full = np.zeros(a.shape[1])
+            full[list(cols)] = x
+            res = float(np.sum((a @ full - b) ** 2))
+            if res < best_res - 1e-15:
+                best, best_res = full, res
+    return best
+
+
+def fit_link(points: list[tuple[int, float]], blocks_writer: bool) -> Link:
+    """latency + bytes / bandwidth from (bytes, seconds) of measured transfers."""
+    xs = np.array([float(b) for b, _ in points])
+    ys = np.array([s for _, s in points])
+    if len(points) >= 2 and np.ptp(xs) > 0:
+        slope, intercept = np.polyfit(xs, ys, 1)
+        if slope > 0 and intercept >= 0:
+            return Link(float(intercept), float(1 / slope), blocks_writer)
+    return Link(0.0, float(np.sum(xs) / np.sum(ys)), blocks_writer)
+
+
+# ---- estimates from published figures -------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Accelerator:
+    """An accelerator's published figures and the efficiencies assumed (stated in every output)."""
+
+    name: str
+    memory_gb_s: float  # memory bandwidth
+    tflops: float  # dense FLOP/s at the serving dtype
+    link_gbps: float  # KV link between workers (Gb/s)
+    memory_efficiency: float = 0.7
+    compute_efficiency: float = 0.5
+    link_efficiency: float = 0.8
+    step_overhead_s: float = 2e-3  # launch and host work per step
+    link_latency_s: float = 50e-6
+
+
+ACCELERATORS = {
+    "h100": Accelerator("H100 SXM (bf16)", 3350, 989, 400),
+    "h200": Accelerator("H200 SXM (bf16)", 4800, 989, 400),
+    "a100": Accelerator("A100 80GB SXM (bf16)", 2039, 312, 200),
+    "l4": Accelerator("L4 (bf16)", 300, 121, 100),
+}
+
+
+def roofline(acc: Accelerator, params: float, kv_bytes_per_token: int, weight_bytes: float,
+             worker: WorkerShape, host: Host | None = None) -> Profile:  # fmt: skip
+    """A step costs the larger of reading the weights and KV (memory) and its FLOPs (compute):
+    2 * params FLOPs per token, plus attention (2 * kv_bytes_per_token / bytes-per-value... folded
+    into per_attention_pair); both at the stated efficiencies. An estimate, and labelled as one."""
+    mem = acc.memory_gb_s * 1e9 * acc.memory_efficiency
+    flops = acc.tflops * 1e12 * acc.compute_efficiency
+    per_token_flops = 2 * params / flops
+    # attention: for each (query, key) pair, q.k and p.v over every layer's heads ~ the KV bytes' worth of MACs
+    per_pair = 2 * kv_bytes_per_token / 2 / flops
+    step = StepCost(fixed=weight_bytes / mem + acc.step_overhead_s, per_prefill_token=per_token_flops,
+                    per_attention_pair=per_pair, per_decode=per_token_flops, per_decode_context=kv_bytes_per_token / mem,
+                    gap=0.0)  # fmt: skip
+    link = Link(acc.link_latency_s, acc.link_gbps * 1e9 / 8 * acc.link_efficiency, blocks_writer=False)
+    about = {"accelerator": asdict(acc), "params": params, "weight_bytes": weight_bytes,
+             "note": "roofline estimate: max(memory, compute) approximated by their sum's dominant terms at the "
+                     "stated efficiencies; not measured"}  # fmt: skip
+    return Profile(step, worker, {"nvlink": link, "tcp": link, "shm": link}, host or Host(),
+                   f"estimate (roofline, {acc.name})", about)  # fmt: skip

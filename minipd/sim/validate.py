@@ -1,0 +1,95 @@
+"""Proof before trust: the same requests on the real server and in the simulator (with a profile
+measured on the same workers, by loads of its own), metric by metric, and where the time goes
+when they differ. Used by `bench --validate-sim`."""
+
+from __future__ import annotations
+
+import statistics
+
+from minipd.bench import report
+
+METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
+TARGETS = {"median": 0.10, "p90": 0.20}  # |simulated / measured - 1| within these
+THROUGHPUT = (("request_throughput", "req/s"), ("output_throughput", "out tok/s"))
+
+
+def compare(real: dict, sim: dict) -> list[dict]:
+    """One row per metric: measured, simulated, relative error, and whether it is within target."""
+    a, b = real["summary"], sim["summary"]
+    rows = []
+    for key, name in METRICS:
+        for stat, limit in TARGETS.items():
+            rows.append(_row(f"{name} {'p50' if stat == 'median' else stat}", a.get(f"{stat}_{key}_ms"),
+                             b.get(f"{stat}_{key}_ms"), limit, "ms"))  # fmt: skip
+    for key, unit in THROUGHPUT:
+        rows.append(_row(f"throughput ({unit})", a.get(key), b.get(key), TARGETS["median"], unit))
+    if a.get("slo_attainment") is not None:
+        rows.append(_row("SLO attainment", a["slo_attainment"], b.get("slo_attainment"), None, ""))
+    return rows
+
+
+def _row(metric: str, measured, simulated, limit, unit: str) -> dict:
+    err = None
+    if measured and simulated is not None:
+        err = simulated / measured - 1
+    return {"metric": metric, "measured": measured, "simulated": simulated, "error": err, "target": limit,
+            "ok": None if limit is None or err is None else abs(err) <= limit, "unit": unit}  # fmt: skip
+
+
+def ttft_parts(run: dict) -> dict[str, float | None]:
+    """Where the first token's time goes, median over the run's requests (seconds): placing it (client
+    send -> dispatched), waiting for a worker (-> its prompt's first step), reading the prompt
+    (-> the step that made the first token), the KV handoff, and delivery to the client."""
+    parts: dict[str, list[float]] = {k: [] for k in ("dispatch", "queue", "prefill", "kv_transfer", "delivery")}
+    for r in report.records_of(run):
+        t = r.server_timeline or {}
+        ev = t.get("events") or {}
+        if not r.ok or not r.token_times or not {"dispatched", "prefill_start", "prefill_end"} <= set(ev):
+            continue
+        parts["dispatch"].append(ev["dispatched"] - r.send_time)
+        parts["queue"].append(ev["prefill_start"] - ev["dispatched"])
+        parts["prefill"].append(ev["prefill_end"] - ev["prefill_start"])
+        parts["delivery"].append(r.token_times[0] - ev["prefill_end"])
+        kv = (t.get("kv_transfer") or {}).get("seconds")
+        if kv:
+            parts["kv_transfer"].append(kv)
+    return {k: statistics.median(v) if v else None for k, v in parts.items()}
+
+
+def validate(pairs: list[tuple[dict, dict]]) -> dict:
+    """pairs: (real run, simulated run) of the same workload, rate, mode and requests."""
+    out = []
+    for real, sim in pairs:
+        rows = compare(real, sim)
+        graded = [r for r in rows if r["ok"] is not None]
+        out.append({"workload": real["workload"], "label": report.label_of(real), "rate": real["rate"], "rows": rows,
+                    "within_target": sum(r["ok"] for r in graded), "graded": len(graded),
+                    "ttft_parts": {"measured": ttft_parts(real), "simulated": ttft_parts(sim)}})  # fmt: skip
+    return {"targets": "p50 and throughput within 10%, p90 within 20%", "runs": out}
+
+
+def table(v: dict) -> str:
+    lines = ["| workload | mode | rate | metric | measured | simulated | error | within target |", "|---|---|---|---|---|---|---|---|"]
+    for run in v["runs"]:
+        for r in run["rows"]:
+            ok = "-" if r["ok"] is None else ("yes" if r["ok"] else f"**no** (±{r['target']:.0%})")
+            err = "-" if r["error"] is None else f"{r['error']:+.1%}"
+            lines.append(f"| {run['workload']} | {run['label']} | {run['rate']:g} | {r['metric']} | {_num(r['measured'])} "
+                         f"| {_num(r['simulated'])} | {err} | {ok} |")  # fmt: skip
+    lines += ["", "Where the first token's time goes (median seconds, measured / simulated):", "",
+              "| workload | mode | rate | dispatch | queue | prefill | KV transfer | delivery |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for run in v["runs"]:
+        m, s = run["ttft_parts"]["measured"], run["ttft_parts"]["simulated"]
+        cells = " | ".join(f"{_num(m[k], 3)} / {_num(s[k], 3)}" for k in ("dispatch", "queue", "prefill", "kv_transfer",
+                                                                         "delivery"))  # fmt: skip
+        lines.append(f"| {run['workload']} | {run['label']} | {run['rate']:g} | {cells} |")
+    graded = sum(r["graded"] for r in v["runs"])
+    ok = sum(r["within_target"] for r in v["runs"])
+    lines += ["", f"{ok} of {graded} graded figures within target ({v['targets']})."]
+    return "\n".join(lines)
+
+
+def _num(x, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}" if abs(x) < 1000 else f"{x:.0f}"

@@ -1,0 +1,155 @@
+"""The simulator: its profile fits, and its event loop over minipd's own scheduler and block manager,
+checked against arithmetic that can be done by hand."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from minipd.bench import experiment as ex
+from minipd.bench.workloads import BenchRequest
+from minipd.server.modes import Mode
+from minipd.sim.cluster import Options, simulate
+from minipd.sim.profile import Host, Link, Profile, StepCost, WorkerShape, draw, fit_link, fit_steps, nonnegative_lstsq
+from minipd.sim.runs import sim_once
+from minipd.sim.validate import compare
+
+STEP = StepCost(fixed=0.010, per_prefill_token=1e-4, per_attention_pair=0.0, per_decode=0.002, per_decode_context=0.0,
+                gap=0.001)  # fmt: skip
+KV_PER_TOKEN = 1000
+
+
+def profile(num_blocks: int = 256, step: StepCost = STEP, host: Host | None = None, link: Link | None = None) -> Profile:
+    return Profile(step, WorkerShape(num_blocks=num_blocks, block_size=16, kv_bytes_per_token=KV_PER_TOKEN),
+                   {"shm": link or Link(0.001, 1e6)}, host or Host(0.0, 0.0))  # fmt: skip
+
+
+def test_fit_recovers_the_coefficients_of_exact_steps():
+    rng = np.random.default_rng(0)
+    truth = StepCost(0.02, 3e-4, 2e-9, 1.5e-3, 4e-7)
+    steps = []
+    for _ in range(200):
+        p, d = int(rng.integers(0, 1000)), int(rng.integers(0, 32))
+        pa, dc = p * (p + 1) // 2, d * int(rng.integers(10, 2000))
+        t = truth.seconds(p, pa, d, dc)
+        steps.append({"time": 100.0, "end": 100.0 + t, "prefill_tokens": p, "prefill_attention": pa, "decodes": d,
+                      "decode_context": dc})  # fmt: skip
+    got, quality = fit_steps(steps)
+    for name in ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert quality["p90_abs_rel_error"] < 1e-9
+    assert got.noise[0] == pytest.approx(1.0) and got.noise[-1] == pytest.approx(1.0)
+
+
+def test_nonnegative_least_squares_never_gives_a_negative_cost():
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    b = np.array([3.0, 2.0, 1.0])  # the best line falls: its slope would be negative
+    x = nonnegative_lstsq(a, b)
+    assert (x >= 0).all() and x[1] == 0 and x[0] == pytest.approx(2.0)
+
+
+def test_link_fit_and_noise_draws():
+    link = fit_link([(1000, 0.002), (3000, 0.004), (5000, 0.006)], blocks_writer=False)
+    assert link.latency_s == pytest.approx(0.001) and link.bytes_per_s == pytest.approx(1e6)
+    assert draw([1.0, 2.0, 3.0], 0.0) == 1.0 and draw([1.0, 2.0, 3.0], 0.75) == pytest.approx(2.5)
+
+
+def test_one_request_colocated_costs_what_the_profile_says():
+    host = Host(dispatch_s=0.005, token_s=0.003)
+    records, sim = simulate(profile(host=host), [BenchRequest(0, 100, 5, 1.0)], Mode("colocated"), 2)
+    (r,) = records
+    prefill = STEP.fixed + 100 * STEP.per_prefill_token
+    decode = STEP.fixed + STEP.per_decode
+    assert r.send_time == 1.0
+    assert r.ttft == pytest.approx(0.005 + prefill + 0.003)
+    assert r.itls == pytest.approx([STEP.gap + decode] * 4)
+    assert r.output_tokens == 5 and r.ok
+    for w in sim.workers:  # every block came back
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0
+
+
+def test_disagg_hands_the_kv_over_the_link_and_frees_every_block():
+    link = Link(0.001, 1e6)
+    records, sim = simulate(profile(link=link), [BenchRequest(0, 200, 4, 0.0)], Mode("disagg"), 2)
+    (r,) = records
+    prefill = STEP.fixed + 200 * STEP.per_prefill_token
+    assert r.ttft == pytest.approx(prefill)
+    transfer = 0.001 + 200 * KV_PER_TOKEN / 1e6
+    assert r.server_timeline["kv_transfer"] == {"bytes": 200 * KV_PER_TOKEN, "seconds": pytest.approx(transfer)}
+    # the second token waits for the KV, then one decode step on the reader
+    assert r.itls[0] == pytest.approx(transfer + STEP.fixed + STEP.per_decode)
+    assert r.server_timeline["path"] == "remote"
+    assert sim.workers[0].steps == 1 and sim.workers[1].steps == 3
+    for w in sim.workers:
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0 and w.blocks.num_booked == 0 and not w.scheduler.handoffs
+
+
+def test_local_prefill_keeps_short_prompts_on_the_decode_worker():
+    reqs = [BenchRequest(0, 50, 3, 0.0), BenchRequest(1, 500, 3, 0.0)]
+    records, sim = simulate(profile(), reqs, Mode("disagg", local_prefill_tokens=256), 2)
+    assert [r.server_timeline["path"] for r in records] == ["local", "remote"]
+    assert records[0].server_timeline["kv_transfer"]["bytes"] == 0
+    assert records[1].server_timeline["kv_transfer"]["bytes"] == 500 * KV_PER_TOKEN
+
+
+def test_seats_are_backpressure_and_first_come_first_seated():
+    """A decode worker with room for one request at a time: the others wait for a seat, and are
+    prefilled in order of arrival, never before their seat exists."""
+    reqs = [BenchRequest(i, 100, 20, 0.001 * i) for i in range(4)]
+    records, sim = simulate(profile(num_blocks=9), reqs, Mode("disagg"), 2)
+    assert all(r.ok and r.output_tokens == 20 for r in records)
+    firsts = [r.token_times[0] for r in records]
+    assert firsts == sorted(firsts)
+    for a, b in zip(records, records[1:]):  # the next one's prefill only ends after the one before finished
+        assert b.token_times[0] > a.end_time - 1e-9
+    assert sim.workers[1].blocks.num_used == 0
+
+
+def test_chunked_reads_a_long_prompt_in_chunks_beside_the_replies():
+    reqs = [BenchRequest(0, 20, 30, 0.0), BenchRequest(1, 1000, 2, 0.05)]
+    _, sim = simulate(profile(), reqs, Mode("chunked", chunk_tokens=256, workers=1), 2, Options(trace=True))
+    prefill_steps = [e for e in sim.events if e["type"] == "step" and e["prefill_tokens"] and e["decodes"]]
+    assert len(prefill_steps) >= 4  # 1000 tokens at most 255 a step beside the reply
+    assert all(e["prefill_tokens"] <= 256 for e in prefill_steps)
+
+
+def test_same_seed_same_run_and_the_run_looks_like_a_bench_run():
+    s = ex.Settings(20, None, 1.0, 3, True, None, None, None, 2000.0, 200.0, False)
+    p = profile(step=StepCost(**{**{k: getattr(STEP, k) for k in STEP.__slots__}, "noise": [0.9, 1.0, 1.3]}))
+    label, body = ex.parse_mode("disagg:1p1d")
+    a = sim_once(p, "chat", label, body, 2.0, s, 2)
+    b = sim_once(p, "chat", label, body, 2.0, s, 2)
+    assert [r.token_times for r in a["records"]] == [r.token_times for r in b["records"]]
+    assert a["simulated"] is True and a["summary"]["completed"] == 20
+    assert {"workload", "mode", "label", "rate", "seed", "summary", "records", "duration"} <= set(a)
+
+
+def test_compare_grades_each_metric_against_its_target():
+    real = {"summary": {"median_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "request_throughput": 1.0}}
+    sim = {"summary": {"median_ttft_ms": 109.0, "p90_ttft_ms": 250.0, "request_throughput": 0.8}}
+    rows = {r["metric"]: r for r in compare(real, sim)}
+    assert rows["TTFT p50"]["ok"] is True and rows["TTFT p50"]["error"] == pytest.approx(0.09)
+    assert rows["TTFT p90"]["ok"] is False and rows["TTFT p90"]["error"] == pytest.approx(0.25)
+    assert rows["throughput (req/s)"]["ok"] is False
+    assert rows["TPOT p50"]["ok"] is None  # nothing measured: not graded
+
+
+def test_sim_cli_writes_the_bench_files_and_a_trace(tmp_path):
+    from minipd.sim.main import run
+
+    path = profile().save(tmp_path / "p.json")
+    out = tmp_path / "out"
+    assert run(["--profile", str(path), "--quick", "--num-prompts", "6", "--rates", "2", "--modes",
+                "colocated,disagg:1p1d", "--trace", "--out", str(out)]) == 0  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"] if isinstance(results, dict) else results
+    assert len(runs) == 2 and all(r["params"]["simulated"] for r in runs)
+    assert "simulated, not measured" in (out / "report.md").read_text()
+    traces = sorted(out.glob("trace_*.json"))
+    assert len(traces) == 2
+    trace = json.loads(traces[1].read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
