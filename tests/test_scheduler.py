@@ -92,7 +92,7 @@ def test_abort_frees_blocks_and_booking():
     s = make()
     s.add(seq("a", 9))
     run_step(s)
-    s.blocks._booked["a"] = 2  # as if it had come with a seat's headroom
+    s.blocks.book("a", 2)  # as if it had come with a seat's headroom
     assert s.abort("a").finish_reason == "abort"
     assert s.blocks.num_used == 0 and s.blocks.num_booked == 0
     assert s.abort("nope") is None

@@ -153,3 +153,39 @@ def test_sim_cli_writes_the_bench_files_and_a_trace(tmp_path):
     assert len(traces) == 2
     trace = json.loads(traces[1].read_text())
     assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+
+
+def test_fleet_placement_search_and_link_study_run_on_the_simulator():
+    from minipd.sim import fleet as fl
+
+    assert [label for label, _ in fl.splits(8)] == ["colocated", "disagg:1p7d", "disagg:2p6d", "disagg:3p5d",
+                                                    "disagg:4p4d", "disagg:5p3d"]  # fmt: skip
+    s = fl.fixed_duration(ex.Settings(None, None, 1.0, 0, True, None, None, None, 1000.0, 100.0, False), 20)
+    rows = fl.placement_search(profile(num_blocks=1024), "chat", [4], s, per_worker_rate=1.0, max_runs=4)
+    assert {r["label"] for r in rows} == {label for label, _ in fl.splits(4)}
+    assert all(r["requests"] > 0 and r["goodput"] >= 0 for r in rows)
+    best = fl.best_by_size(rows)[4]
+    assert best["per_worker"] == max(r["per_worker"] for r in rows)
+    slow, fast = (fl.link_study(profile(num_blocks=1024), "chat", 4, [g], s, 1.0, max_runs=4)["points"][0][1]
+                  for g in (0.001, 100.0))  # fmt: skip
+    assert fast >= slow  # a faster link never hurts disaggregation
+
+
+def test_planner_reads_a_simulator_profile():
+    from minipd.bench import plan
+
+    p = plan.from_step_model(profile(), prompt_tokens=512)
+    assert p.prefill_fixed_s == STEP.fixed and p.decode_per_seq_s == STEP.per_decode
+    assert p.kv_bytes_per_token == KV_PER_TOKEN and p.kv_bandwidth_bytes_s == 1e6
+    plan_ = plan.recommend(p, plan.Traffic(1.0, 200, 50), 4, 1.0, 0.1)
+    assert plan_["best"]["split"] in {r["split"] for r in plan_["options"]}
+
+
+def test_plan_cli_with_a_profile_and_the_simulator(tmp_path, capsys):
+    from minipd.bench.plan_main import run
+
+    path = profile(num_blocks=1024).save(tmp_path / "p.json")
+    assert run(["--profile", str(path), "--plan-workers", "3", "--quick", "--rate", "2", "--slo-ttft-ms", "1000",
+                "--slo-tpot-ms", "100", "--sim", "--sim-prompts", "60"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Recommended by the simulator" in out and "| 2P1D |" in out and "| colocated |" in out

@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="link study: comma-separated emulated KV link rates (Gb/s) for disagg over tcp")
     g.add_argument("--plan", action="store_true", help="profile the workers, plan P:D, and run the recommended split")
     g.add_argument("--plan-rate", type=float, default=None, help="the rate the plan is for (default: the highest of --rates)")
+    g.add_argument("--validate-sim", action="store_true",
+                   help="then profile the same workers (loads of its own) and run the same requests in the simulator "
+                   "(python -m minipd sim): the error per mode and metric, and where the time goes")  # fmt: skip
     g.add_argument("--out", default="bench-out", help="folder for results.json, report.md and the plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
@@ -208,6 +211,8 @@ def run(argv=None) -> int:
             notes["admission"] = ex.admission_probe(target, settings, body)
         if args.plan and target.is_minipd:
             notes["plan"] = _plan_and_run(target, args, settings, runs)
+        if args.validate_sim and target.is_minipd:
+            notes["validation"] = _validate_sim(target, args, settings, runs, searches)
     except ex.Interrupted as stop:
         runs.append(stop.run)
         if stop.run.get("switches") is not None:
@@ -355,6 +360,64 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
                 f"{r['median_ttft_ms'] or 0:.0f} ms, TPOT p50 {r['median_tpot_ms'] or 0:.0f} ms: "
                 f"{'met' if r['met'] else 'NOT met'} (>= 90% in SLO).", "",
                 "For a fleet of 8 workers at 4x the rate:", "", p["fleet_text"], ""]  # fmt: skip
+    if "validation" in notes:
+        from minipd.sim.main import profile_note
+        from minipd.sim.profile import Profile
+        from minipd.sim.validate import table
+
+        v = notes["validation"]
+        out += ["## The simulator against this run (--validate-sim)", "",
+                "The same requests in `python -m minipd sim`, with a profile measured on these workers by loads of its "
+                "own (profile.json).", "", table(v), "", profile_note(Profile.from_dict(v["profile"])), ""]  # fmt: skip
+        for g in v.get("goodput", []):
+            out.append(f"- goodput `{g['workload']}` {g['label']}: measured {g['measured']:.2f} req/s, simulated "
+                       f"{g['simulated']:.2f} req/s ({'the same rate step' if g['same_step'] else 'a different rate step'})")  # fmt: skip
+        out.append("")
     if notes.get("interrupted"):
         out += ["**Interrupted**: the runs above are what was measured before Ctrl-C.", ""]
     return "\n".join(out)
+
+
+def _validate_sim(target, args, settings, runs, searches) -> dict:
+    """Profile the workers, then the same requests (workload, rate, mode, seed) in the simulator."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from minipd.sim.measure import measure
+    from minipd.sim.runs import sim_goodput, sim_once
+    from minipd.sim.validate import table, validate
+
+    print("profiling the workers for the simulator…", file=sys.stderr)
+    profile = measure(target, quick=args.quick, say=lambda text: print(text, file=sys.stderr))
+    profile.about["threads_per_worker"] = args.threads_per_worker
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    profile.save(Path(args.out) / "profile.json")
+    pairs = []
+    for run in runs:
+        if run.get("mode") not in ("colocated", "chunked", "disagg") or run.get("interrupted"):
+            continue  # auto, live switches and other servers are not simulated
+        s = dataclasses.replace(settings, seed=run["seed"])
+        pairs.append((run, sim_once(profile, run["workload"], run["label"], run["mode_body"], run["rate"], s,
+                                    target.num_workers)))  # fmt: skip
+    v = validate(pairs)
+    v["goodput"] = []
+    for found in searches:
+        body = dict(ex_parse(found["label"]))
+        got = sim_goodput(profile, found["workload"], found["label"], body, settings, target.num_workers,
+                          found["probes"][0][0], 8 * max(float(r) for r in args.rates.split(",")), args.search_max_runs)  # fmt: skip
+        v["goodput"].append({"workload": found["workload"], "label": found["label"], "measured": found["goodput_rate"],
+                             "simulated": got["goodput_rate"], "same_step": abs(got["goodput_rate"] - found["goodput_rate"]) < 1e-9,
+                             "simulated_probes": got["probes"], "measured_probes": found["probes"]})  # fmt: skip
+    v["profile"] = profile.to_dict() | {"points": "(in profile.json)"}
+    v["simulated_runs"] = [{k: x for k, x in sim.items() if k != "records"} for _, sim in pairs]
+    with open(Path(args.out) / "validation.json", "w") as f:
+        json.dump(v, f, indent=1, default=str)
+    print(table(v), file=sys.stderr)
+    return v
+
+
+def ex_parse(label: str):
+    from minipd.bench.experiment import parse_mode
+
+    return parse_mode(label)[1]

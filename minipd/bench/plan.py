@@ -52,6 +52,19 @@ class Traffic:
     output_tokens: float  # mean
 
 
+def from_step_model(p, prompt_tokens: float = 512.0) -> Profile:
+    """The planner's terms from a simulator profile (minipd/sim/profile.py, `python -m minipd profile`):
+    prefill per token includes attention at a prompt of `prompt_tokens` (the planner's model is linear
+    in the prompt, the step model is not); interference per token is the prompt token's own cost."""
+    s = p.step
+    link = next(iter(p.links.values()), None)
+    return Profile(prefill_fixed_s=s.fixed, prefill_per_token_s=s.per_prefill_token + s.per_attention_pair * (prompt_tokens + 1) / 2,
+                   decode_fixed_s=s.fixed + s.gap, decode_per_seq_s=s.per_decode, decode_per_context_token_s=s.per_decode_context,
+                   interference_per_token_s=s.per_prefill_token, kv_bytes_per_token=p.worker.kv_bytes_per_token,
+                   kv_bandwidth_bytes_s=link.bytes_per_s if link else float("nan"),
+                   points={"from": "a simulator profile", "source": p.source})  # fmt: skip
+
+
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = a + b x with a >= 0: a cost that grows faster than linearly (attention over a long
     prompt) would otherwise give a negative fixed cost, which no step has; then the line goes through 0."""

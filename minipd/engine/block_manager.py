@@ -29,6 +29,7 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._seats: dict[str, list[int]] = {}
         self._booked: dict[str, int] = {}  # owner -> blocks promised but not yet allocated
+        self._num_booked = 0  # their sum, kept: it is read at every allocation
 
     @property
     def num_free(self) -> int:
@@ -45,12 +46,12 @@ class BlockManager:
 
     @property
     def num_booked(self) -> int:
-        return sum(self._booked.values())
+        return self._num_booked
 
     @property
     def num_available(self) -> int:
         """Free blocks that nobody has booked."""
-        return len(self._free) - self.num_booked
+        return len(self._free) - self._num_booked
 
     def can_allocate(self, n: int, owner: str | None = None) -> bool:
         return n <= self.num_available + self._booked.get(owner, 0)
@@ -79,15 +80,25 @@ class BlockManager:
             if self._ref_counts[i] == 0:
                 self._free.append(i)
 
+    def book(self, owner: str, n: int) -> None:
+        """Promise n more free blocks to `owner`'s growth."""
+        if n > self.num_available:
+            raise OutOfBlocks(f"cannot book {n} blocks, {self.num_available} available")
+        if n > 0:
+            self._booked[owner] = self._booked.get(owner, 0) + n
+            self._num_booked += n
+
     def drop_booking(self, owner: str) -> None:
-        self._booked.pop(owner, None)
+        self._num_booked -= self._booked.pop(owner, 0)
 
     def _use_booking(self, owner: str, n: int) -> None:
-        left = self._booked[owner] - n
-        if left > 0:
-            self._booked[owner] = left
+        had = self._booked[owner]
+        if had > n:
+            self._booked[owner] = had - n
+            self._num_booked -= n
         else:
             del self._booked[owner]
+            self._num_booked -= had
 
     # ---- seats ----------------------------------------------------------------------
     def add_seat(self, key: str, n: int, headroom: int = 0) -> list[int] | None:
@@ -98,8 +109,7 @@ class BlockManager:
         if n + headroom > self.num_available:
             return None
         self._seats[key] = self.allocate(n)
-        if headroom:
-            self._booked[key] = headroom
+        self.book(key, headroom)
         return list(self._seats[key])
 
     def claim_seat(self, key: str) -> list[int]:
@@ -130,4 +140,5 @@ class BlockManager:
         seated = [i for ids in self._seats.values() for i in ids]
         assert len(seated) == len(set(seated)) and not free.intersection(seated)
         assert all(b > 0 for b in self._booked.values()), "an empty booking was kept"
+        assert self._num_booked == sum(self._booked.values()), "the booked count drifted"
         assert self.num_booked <= len(self._free), "more blocks booked than free"

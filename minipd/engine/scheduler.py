@@ -62,7 +62,7 @@ class ScheduledBatch:
         """What the step costs depends on (the simulator's step-time model is fitted on these)."""
         out = StepShape()
         for s, n in zip(self.seqs, self.num_new_tokens):
-            if n > 1 or s.in_prefill:
+            if n > 1 or s.num_computed_tokens < s.num_prompt_tokens:
                 out.prefilling.append(s.request_id)
                 out.prefill_tokens += n
                 out.prefill_attention += n * s.num_computed_tokens + n * (n + 1) // 2
@@ -73,7 +73,7 @@ class ScheduledBatch:
 
     def samples(self) -> list[bool]:
         """Which sequences reach the end of their known tokens this step, and so sample one."""
-        return [s.num_computed_tokens + n == s.num_tokens for s, n in zip(self.seqs, self.num_new_tokens)]
+        return [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(self.seqs, self.num_new_tokens)]
 
 
 class Scheduler:
@@ -228,6 +228,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """Make room for n more tokens of a running seq, preempting the newest others if needed.
         Returns False if seq itself had to be preempted."""
+        if seq.num_computed_tokens + n <= len(seq.block_table) * self.blocks.block_size:
+            return True  # its blocks already hold them (most decode steps)
         need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
         while not self.blocks.can_allocate(need, seq.request_id):
             victim = self.running[-1]
@@ -278,10 +280,10 @@ class Scheduler:
             return "stop"
         if token in p.stop_token_ids:
             return "stop"
-        capacity = self.blocks.num_blocks * self.blocks.block_size
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= min(
-            self.config.max_model_len, capacity
-        ):
+        num_tokens = len(seq.token_ids)
+        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.config.max_model_len:
+            return "length"
+        if num_tokens >= self.blocks.num_blocks * self.blocks.block_size:
             return "length"
         return None
 

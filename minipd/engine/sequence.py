@@ -52,7 +52,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def in_prefill(self) -> bool:

@@ -10,6 +10,7 @@ What it leaves out, on purpose: requests that fail, moves and live switches, wor
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import random
@@ -38,6 +39,7 @@ class SimRequest:
     path: str | None = None
     kv_bytes: int = 0
     kv_seconds: float | None = None
+    writer_id: int | None = None
     events: dict = field(default_factory=dict)  # as a real request's timeline names them
 
 
@@ -65,6 +67,8 @@ class SimWorker:
         self.busy_s = 0.0
         self.steps = 0
         self.hold_s = 0.0  # the loop copies KV out (shm writes in place) before its next step
+        self.in_step = False
+        self.box: list[SimWorker] = [self]  # the workers sharing this one's machine (the simulation sets it)
 
     def deliver(self, fn, *args) -> None:
         """A message to this worker: handled now if it is between steps, else when its step ends."""
@@ -80,19 +84,43 @@ class SimWorker:
             self.sim.at(self.sim.now, self._start)
 
     def _start(self) -> None:
-        batch = self.scheduler.schedule()
-        if batch.is_empty:  # no room until a block comes back (a handoff or a seat ends): kicked then
-            self.stepping = False
-            return
-        s = batch.shape()
-        step = self.sim.profile.step
-        seconds = step.seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context)
-        if step.noise:
-            seconds *= draw(step.noise, self.sim.rng.random())
-        self.sim.at(self.sim.now + seconds, self._end, batch, self.sim.now, s)
+        """Steps, one after another. While nothing else is due before a step ends, the next one runs
+        straight away (no other worker or message can change this one's state in between)."""
+        sim, step = self.sim, self.sim.profile.step
+        while True:
+            batch = self.scheduler.schedule()
+            if batch.is_empty:  # no room until a block comes back (a handoff or a seat ends): kicked then
+                self.stepping = False
+                return
+            s = batch.shape()
+            seconds = step.seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context)
+            if step.co_runner and len(self.box) > 1:
+                seconds *= 1 + step.co_runner * sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1)
+            if step.noise:
+                seconds *= draw(step.noise, sim.rng.random())
+            started, end = sim.now, sim.now + seconds
+            self.in_step = True
+            if sim.heap and sim.heap[0][0] <= end:
+                sim.at(end, self._end, batch, started, s)
+                return
+            sim.now = end
+            following = self._finish(batch, started, s)
+            if following is None:
+                return
+            if sim.heap and sim.heap[0][0] <= following:
+                sim.at(following, self._start)
+                return
+            sim.now = following
 
     def _end(self, batch: ScheduledBatch, started: float, shape) -> None:
+        following = self._finish(batch, started, shape)
+        if following is not None:
+            self.sim.at(following, self._start)
+
+    def _finish(self, batch: ScheduledBatch, started: float, shape) -> float | None:
+        """The step that began at `started` ends now. Returns when the next one starts (None: no work)."""
         sim, now = self.sim, self.sim.now
+        self.in_step = False
         self.busy_s += now - started
         self.steps += 1
         sampled = [TOKEN if flag else None for flag in batch.samples()]
@@ -100,14 +128,16 @@ class SimWorker:
         host = sim.profile.host
         at_client = now + (draw(host.token_quantiles, sim.rng.random()) if host.token_quantiles else host.token_s)
         keys = []
+        requests = sim.requests
         for key in shape.prefilling:
-            sim.requests[key].events.setdefault("prefill_start", started)
+            requests[key].events.setdefault("prefill_start", started)
         for seq, token in zip(batch.seqs, sampled):
             if token is not None:
-                sr = sim.requests[seq.request_id]
-                if not sr.record.token_times:
+                sr = requests[seq.request_id]
+                times = sr.record.token_times
+                if not times:
                     sr.events["prefill_end"] = now
-                sr.record.token_times.append(at_client)
+                times.append(at_client)
                 keys.append(seq.request_id)
         if sim.events is not None:
             sim.events.append({"type": "step", "worker": self.id, "time": started, "end": now,
@@ -118,15 +148,17 @@ class SimWorker:
             if seq.status is SequenceStatus.HANDOFF:
                 sim.hand_off(self, seq)
             else:
-                sim.finished(sim.requests[seq.request_id], self)
-        waiting, self.at_boundary = self.at_boundary, []
+                sim.finished(requests[seq.request_id], self)
         self.stepping = False
-        for fn, args in waiting:
-            fn(*args)
-        if self.scheduler.num_unfinished and not self.stepping:
-            self.stepping = True
-            delay, self.hold_s = sim.profile.step.gap + self.hold_s, 0.0
-            sim.at(now + delay, self._start)
+        if self.at_boundary:
+            waiting, self.at_boundary = self.at_boundary, []
+            for fn, args in waiting:
+                fn(*args)
+        if self.stepping or not self.scheduler.num_unfinished:
+            return None
+        self.stepping = True
+        delay, self.hold_s = sim.profile.step.gap + self.hold_s, 0.0
+        return now + delay
 
 
 class Simulation:
@@ -138,6 +170,9 @@ class Simulation:
         self.heap: list = []
         self.counter = itertools.count()
         self.workers = [SimWorker(self, i, role, mode) for i, role in enumerate(mode.roles(num_workers))]
+        per_box = max(1, profile.worker.workers_per_box)
+        for w in self.workers:
+            w.box = self.workers[w.id - w.id % per_box : w.id - w.id % per_box + per_box]
         self.requests: dict[str, SimRequest] = {}
         self.seat_queue: deque[SimRequest] = deque()
         self.turn: dict[str, int] = {}
@@ -150,10 +185,17 @@ class Simulation:
     def run(self, requests: list[BenchRequest]) -> list[RequestRecord]:
         for r in requests:
             self.at(r.arrival, self._arrive, r)
-        while self.heap:
-            t, _, fn, args = heapq.heappop(self.heap)
-            self.now = t
-            fn(*args)
+        collecting = gc.isenabled()
+        gc.disable()  # millions of short-lived objects and no cycles: the collector would only rescan them
+        try:
+            heap, pop = self.heap, heapq.heappop
+            while heap:
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+        finally:
+            if collecting:
+                gc.enable()
         return [self.requests[f"r{r.index}.1"].record for r in requests]
 
     # ---- the router ----------------------------------------------------------------------------
@@ -164,7 +206,8 @@ class Simulation:
         self.at(self.now + self.profile.host.dispatch_s, self._place, sr)
 
     def _place(self, sr: SimRequest) -> None:
-        sr.events["dispatched"] = self.now
+        if self.mode.name != "disagg" or sr.req.prompt_len < self.mode.local_prefill_tokens:
+            sr.events["dispatched"] = self.now  # else once its seat is granted, as the router does
         if self.mode.name != "disagg":
             self._send(sr, self._pick("both"), hand_off=None)
         elif sr.req.prompt_len < self.mode.local_prefill_tokens:
@@ -218,8 +261,12 @@ class Simulation:
             self.seat_queue.popleft()
             reader.load += 1
             sr.reader = reader.id
-            writer = self.workers[sr.worker]
-            reader.deliver(writer.deliver, self._add, writer, sr, True)  # the grant leaves the reader between steps
+            reader.deliver(self._seated, sr)  # the grant leaves the reader between its steps
+
+    def _seated(self, sr: SimRequest) -> None:
+        sr.events["dispatched"] = self.now
+        writer = self.workers[sr.worker]
+        writer.deliver(self._add, writer, sr, True)
 
     # ---- KV handoffs -------------------------------------------------------------------------------
     def hand_off(self, writer: SimWorker, seq: Sequence) -> None:
@@ -228,7 +275,7 @@ class Simulation:
         seconds = self.link.seconds(num_bytes)
         if self.link.blocks_writer:
             writer.hold_s += seconds
-        sr.kv_bytes, sr.kv_seconds = num_bytes, seconds
+        sr.kv_bytes, sr.events["transfer_start"], sr.writer_id = num_bytes, self.now, writer.id
         if self.events is not None:
             self.events.append({"type": "request", "kind": "transfer_start", "request_id": sr.key[:-2], "key": sr.key,
                                 "worker": writer.id, "time": self.now, "bytes": num_bytes, "to": sr.reader})  # fmt: skip
@@ -236,12 +283,7 @@ class Simulation:
 
     def _transferred(self, writer: SimWorker, sr: SimRequest, seq: Sequence) -> None:
         writer.scheduler.release_handoff(sr.key)
-        writer.load -= 1
         writer.kick()
-        if self.events is not None:
-            self.events.append({"type": "request", "kind": "transfer_end", "request_id": sr.key[:-2], "key": sr.key,
-                                "worker": sr.reader, "time": self.now, "bytes": sr.kv_bytes,
-                                "seconds": sr.kv_seconds, "from": writer.id})  # fmt: skip
         reader = self.workers[sr.reader]
         reader.deliver(self._import, reader, sr, seq)
 
@@ -250,6 +292,12 @@ class Simulation:
         moved.token_ids = list(seq.token_ids)
         moved.num_computed_tokens = seq.num_computed_tokens
         moved.block_table = reader.blocks.claim_seat(sr.key)
+        sr.kv_seconds = self.now - sr.events["transfer_start"]  # as the reader reports it: once it has the KV in
+        if self.events is not None:
+            self.events.append({"type": "request", "kind": "transfer_end", "request_id": sr.key[:-2], "key": sr.key,
+                                "worker": sr.reader, "time": self.now, "bytes": sr.kv_bytes,
+                                "seconds": self.now - sr.events["transfer_start"], "from": sr.writer_id})  # fmt: skip
+        self.workers[sr.writer_id].load -= 1  # the router's placement becomes the reader's when the KV is in
         sr.worker = reader.id
         reader.scheduler.add_imported(moved)
 

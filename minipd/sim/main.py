@@ -52,6 +52,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--goodput-search", action="store_true", help="DistServe's goodput by a rate search, simulated")
     g.add_argument("--search-max-runs", type=int, default=8, help="probes per goodput search")
     g.add_argument("--trace", action="store_true", help="also write each run's Chrome/Perfetto trace")
+    g = ap.add_argument_group("fleet studies (instead of the runs above)")
+    g.add_argument("--fleet-sizes", default=None, metavar="N,N,...",
+                   help="DistServe's placement search: for each fleet size, colocated and disagg with 1/8 to 5/8 of "
+                   "the workers prefilling, each one's goodput by a rate search; the best split per size, plotted")  # fmt: skip
+    g.add_argument("--fleet-link-gbps", default=None, metavar="G,G,...",
+                   help="the link crossover at the largest fleet size: the best disagg split's goodput at each KV link "
+                   "rate against colocated's")  # fmt: skip
+    g.add_argument("--per-worker-rate", type=float, default=0.25,
+                   help="fleet studies: the rate search starts at this many req/s per worker")
+    g.add_argument("--probe-seconds", type=float, default=60.0,
+                   help="fleet studies: seconds of arrivals per probe (a bigger fleet gets more requests)")
     g.add_argument("--out", default="sim-out", help="folder for results.json, report.md and the plots")
     args = ap.parse_args(argv)
     from minipd.bench.experiment import parse_modes
@@ -101,6 +112,8 @@ def run(argv=None) -> int:
     options = Options(transport, trace=args.trace)
     settings = ex.Settings(args.num_prompts, args.duration, args.burstiness, args.seed, args.quick, args.input_len,
                            args.output_len, None, args.slo_ttft_ms, args.slo_tpot_ms, False)  # fmt: skip
+    if args.fleet_sizes or args.fleet_link_gbps:
+        return fleet(args, profile, settings)
     rates = [float(r) for r in args.rates.split(",")]
     print(f"simulating {args.workers} workers from a {profile.source} profile", file=sys.stderr)
     runs, searches = [], []
@@ -172,3 +185,73 @@ def _say(run: dict) -> None:
     print(f"{run['workload']:>9} {run['label']:>18} @ {run['rate']:g} req/s: {s['completed']}/{s['num_requests']} done, "
           f"TTFT p50 {s['median_ttft_ms'] or 0:.0f} ms, TPOT p50 {s['median_tpot_ms'] or 0:.0f} ms{att} "
           f"(simulated in {run['sim']['wall_seconds']:.2f} s)", file=sys.stderr)  # fmt: skip
+
+
+def fleet(args, profile, settings) -> int:
+    """The placement search and the link study, written as fleet.md, fleet.json and plots."""
+    import json
+    import pathlib
+
+    from minipd.sim import fleet as fl
+
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    s = fl.fixed_duration(settings, args.probe_seconds)
+    name = args.workloads.split(",")[0]
+    sizes = [int(x) for x in (args.fleet_sizes or str(args.workers)).split(",")]
+    say = lambda text: print(text, file=sys.stderr)  # noqa: E731
+    doc = {"profile": profile.source, "workload": name, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+    lines = ["# Fleet studies (simulated, not measured)", "", profile_note(profile), "",
+             f"Workload `{name}`{' (--quick sizes)' if args.quick else ''}, SLOs TTFT {args.slo_ttft_ms:g} ms and TPOT "
+             f"{args.slo_tpot_ms:g} ms; goodput is DistServe's (the highest rate with >= 90% of requests within both), "
+             f"each probe {args.probe_seconds:g} s of Poisson arrivals.", ""]  # fmt: skip
+    if args.fleet_sizes:
+        rows = fl.placement_search(profile, name, sizes, s, args.per_worker_rate, args.search_max_runs, say=say)
+        best = fl.best_by_size(rows)
+        doc["placement"] = rows
+        lines += ["## Placement search", "", "| workers | split | goodput (req/s) | per worker | requests simulated | "
+                  "simulated in (s) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in rows:
+            mark = "**" if best[r["workers"]] is r else ""
+            lines.append(f"| {r['workers']} | {mark}{r['label']}{mark} | {r['goodput']:.2f} | {r['per_worker']:.3f} | "
+                         f"{r['requests']} | {r['sim_seconds']:.1f} |")  # fmt: skip
+        lines += ["", "![goodput per worker against fleet size](fleet_placement.png)", ""]
+        _plot_placement(out / "fleet_placement.png", rows, name)
+    if args.fleet_link_gbps:
+        gbps = [float(x) for x in args.fleet_link_gbps.split(",")]
+        study = fl.link_study(profile, name, max(sizes), gbps, s, args.per_worker_rate, args.search_max_runs, say=say)
+        doc["link_study"] = study
+        cross = study["crossover_gbps"]
+        lines += ["## KV link crossover", "", f"{study['workers']} workers; colocated goodput {study['colocated']:.2f} req/s.",
+                  "", "| link (Gb/s) | best disagg goodput (req/s) |", "|---|---|"]  # fmt: skip
+        lines += [f"| {g:g} | {v:.2f} |" for g, v in study["points"]]
+        lines += ["", f"Crossover: {f'from {cross:g} Gb/s' if cross is not None else 'none in the range simulated'}.",
+                  "", "![goodput against link rate](fleet_link.png)", ""]  # fmt: skip
+        from minipd.bench import report
+
+        report.plot_link_study(str(out / "fleet_link.png"), study["points"], {"colocated": study["colocated"]},
+                               f"Simulated: goodput against KV link rate ({study['workers']} workers, {name})")  # fmt: skip
+    (out / "fleet.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "fleet.md").write_text("\n".join(lines))
+    print(f"wrote {out}/fleet.md, fleet.json and the plots", file=sys.stderr)
+    return 0
+
+
+def _plot_placement(path, rows, workload: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    sizes = sorted({r["workers"] for r in rows})
+    ax.plot(sizes, [max(r["per_worker"] for r in rows if r["workers"] == n and r["label"] == "colocated") for n in sizes],
+            "o-", label="colocated")  # fmt: skip
+    for share in sorted({round(r["prefill"] / r["workers"], 3) for r in rows if r["prefill"]}):
+        pts = [(r["workers"], r["per_worker"]) for r in rows if r["prefill"] and round(r["prefill"] / r["workers"], 3) == share]
+        ax.plot([p for p, _ in pts], [v for _, v in pts], "s--", label=f"disagg, {share:.0%} prefill")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers in the fleet")
+    ax.set_ylabel("goodput per worker (req/s)")
+    ax.set_title(f"Simulated placement search ({workload})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

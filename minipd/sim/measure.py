@@ -16,7 +16,7 @@ from minipd.bench.metrics import RequestRecord
 from minipd.bench.plan import _steps_since
 from minipd.bench.target import Target
 from minipd.bench.workloads import BenchRequest
-from minipd.sim.profile import Host, Profile, WorkerShape, fit_link, fit_steps, quantiles
+from minipd.sim.profile import Host, Profile, WorkerShape, co_busy, fit_link, fit_steps, quantiles
 
 GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work): the gap is its loop
 
@@ -55,6 +55,13 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
     for b in batches:
         load([BenchRequest(i, 32, out_len, 0.0) for i in range(b)])
     load([BenchRequest(i, min(1024, target.max_model_len // 2), out_len, 0.0) for i in range(8)])
+    if target.num_workers >= 2:  # the same on every worker at once: what a step costs while the others step too
+        say("profile: every worker at once")
+        target.set_mode({"mode": "colocated", "workers": None})
+        n_all = target.num_workers
+        load([BenchRequest(i, L, 4, 0.0) for i, L in enumerate(x for x in lengths[1:] for _ in range(n_all))])
+        for b in batches[1:]:
+            load([BenchRequest(i, 32, out_len, 0.0) for i in range(b * n_all)])
     say("profile: prompt chunks beside decodes")
     target.set_mode({"mode": "chunked", "chunk_tokens": 256, "workers": 1})
     load([BenchRequest(i, 64, 3 * out_len, 0.0) for i in range(6)] +
@@ -82,12 +89,14 @@ def build(target: Target, steps: list[dict], records: list[RequestRecord], trans
           quick: bool, alone: list[RequestRecord]) -> Profile:  # fmt: skip
     """The profile from what was measured."""
     steps = [s for s in steps if "prefill_attention" in s]
+    co_busy(steps)
     cost, quality = fit_steps(steps)
     cost.gap = _loop_gap(steps)
     _, workers = target.get("/admin/workers")
     w0 = workers["workers"][0]
     shape = WorkerShape(num_blocks=w0["kv_blocks_total"], block_size=w0.get("kv_block_size") or 16,
-                        max_model_len=target.max_model_len, kv_bytes_per_token=w0.get("kv_bytes_per_token") or 0)  # fmt: skip
+                        max_model_len=target.max_model_len, kv_bytes_per_token=w0.get("kv_bytes_per_token") or 0,
+                        workers_per_box=target.num_workers)  # fmt: skip
     transport = target.kv_transport or "shm"
     links = {transport: fit_link(transfers, blocks_writer=transport == "shm")} if transfers else {}
     delays = _token_delays(steps, records)
@@ -97,7 +106,7 @@ def build(target: Target, steps: list[dict], records: list[RequestRecord], trans
     about = {"model": target.model, "workers": target.num_workers, "kv_transport": transport,
              "machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "step_fit": quality, "quick": quick}  # fmt: skip
     points = {"steps": [{k: s[k] for k in ("worker", "time", "end", "prefill_tokens", "prefill_attention", "decodes",
-                                            "decode_context")} for s in steps],
+                                            "decode_context", "co_busy")} for s in steps],
               "transfers": transfers}  # fmt: skip
     return Profile(cost, shape, links, host, "measured", about, points)
 

@@ -12,6 +12,7 @@ counts as much as a 2 s prefill), and `gap` is the worker's own time between two
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -37,6 +38,7 @@ class StepCost:
     per_decode_context: float = 0.0
     gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
     noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
+    co_runner: float = 0.0  # a step is (1 + co_runner x b) slower, b the share of the box's other workers stepping
 
     def seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> float:
         return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
@@ -71,6 +73,7 @@ class WorkerShape:
     max_model_len: int = 8192
     kv_bytes_per_token: int = 0
     decode_headroom_tokens: int = 512  # booked in a decode seat (the dispatcher's default)
+    workers_per_box: int = 1  # workers that share one machine's cores and memory (step.co_runner applies among them)
 
 
 @dataclass(slots=True)
@@ -100,7 +103,7 @@ class Profile:
         if gbps is None:
             return base
         latency = base.latency_s if latency_ms is None else latency_ms / 1e3
-        return Link(latency, min(base.bytes_per_s, gbps * 1e9 / 8), base.blocks_writer)
+        return Link(latency, min(base.bytes_per_s, gbps * 1e9 / 8), blocks_writer=False)  # paced in the background
 
     def to_dict(self) -> dict:
         return {"minipd_profile": FORMAT, "source": self.source, "about": self.about, "step": asdict(self.step),
@@ -127,21 +130,57 @@ class Profile:
 
 def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     """Fit the step model on step events ({prefill_tokens, prefill_attention, decodes, decode_context,
-    time, end}); returns it and the fit's quality (relative errors on the steps it was fitted on)."""
+    time, end}, and `co_busy`: the share of the box's other workers stepping meanwhile, 0 if absent).
+    The linear terms come from steps that ran alone (co_busy < 0.1), the co-runner slowdown from the
+    others; returns the model and its quality (relative errors on the steps it was fitted on)."""
     xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"])
                    for s in steps])  # fmt: skip
     ys = np.array([s["end"] - s["time"] for s in steps])
+    busy = np.array([s.get("co_busy", 0.0) for s in steps])
     keep = ys > 0
-    xs, ys = xs[keep], ys[keep]
-    if len(ys) < len(TERMS):
-        raise ValueError(f"{len(ys)} steps are too few to fit a step model of {len(TERMS)} terms")
-    coef = nonnegative_lstsq(xs / ys[:, None], np.ones_like(ys))
-    predicted = xs @ coef
+    xs, ys, busy = xs[keep], ys[keep], busy[keep]
+    alone = busy < 0.1
+    if alone.sum() < len(TERMS):
+        raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS)} terms")
+    coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
+    base = xs @ coef
+    co_runner = 0.0
+    shared = ~alone & (base > 0)
+    if shared.sum() >= 5:  # least squares of y / base - 1 = k * busy
+        b, r = busy[shared], ys[shared] / base[shared] - 1
+        co_runner = max(0.0, float(np.sum(b * r) / np.sum(b * b)))
+    predicted = base * (1 + co_runner * busy)
     rel = np.abs(predicted - ys) / ys
-    quality = {"steps": int(len(ys)), "median_abs_rel_error": float(np.median(rel)),
+    quality = {"steps": int(len(ys)), "alone": int(alone.sum()), "median_abs_rel_error": float(np.median(rel)),
                "p90_abs_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
     noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
-    return StepCost(**dict(zip(TERMS, map(float, coef))), noise=noise), quality
+    return StepCost(**dict(zip(TERMS, map(float, coef))), noise=noise, co_runner=co_runner), quality
+
+
+def co_busy(steps: list[dict]) -> None:
+    """Mark each step event with `co_busy`: how much of its time the other workers (of one box) spent
+    stepping, averaged over them (0: it ran alone; 1: every other worker stepped all along)."""
+    by_worker: dict = {}
+    for s in steps:
+        by_worker.setdefault(s["worker"], []).append((s["time"], s["end"]))
+    for spans in by_worker.values():
+        spans.sort()
+    others = len(by_worker) - 1
+    longest = max((b - a for spans in by_worker.values() for a, b in spans), default=0.0)
+    for s in steps:
+        if others <= 0 or s["end"] <= s["time"]:
+            s["co_busy"] = 0.0
+            continue
+        total = 0.0
+        for w, spans in by_worker.items():
+            if w == s["worker"]:
+                continue
+            i = bisect.bisect_left(spans, (s["time"] - longest, 0.0))
+            for a, b in spans[i:]:
+                if a >= s["end"]:
+                    break
+                total += max(0.0, min(b, s["end"]) - max(a, s["time"]))
+        s["co_busy"] = total / (others * (s["end"] - s["time"]))
 
 
 def quantiles(values, n: int = 21) -> list[float]:
