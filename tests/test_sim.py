@@ -189,3 +189,23 @@ def test_plan_cli_with_a_profile_and_the_simulator(tmp_path, capsys):
                 "--slo-tpot-ms", "100", "--sim", "--sim-prompts", "60"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     assert "Recommended by the simulator" in out and "| 2P1D |" in out and "| colocated |" in out
+
+
+def test_load_index_ranks_workers_as_the_router_does():
+    import random
+
+    from minipd.sim.load_index import LoadIndex
+
+    rng = random.Random(1)
+    ids = [0, 2, 3, 5, 8, 9]
+    n = 10
+    index, load = LoadIndex(ids), dict.fromkeys(ids, 0)
+    for _ in range(2000):
+        w = rng.choice(ids)
+        delta = 1 if load[w] == 0 or rng.random() < 0.6 else -1
+        index.add(w, delta)
+        load[w] += delta
+        turn = rng.randrange(n)
+        ranked = sorted(ids, key=lambda i: (load[i], (i - turn) % n))
+        assert index.first(turn) == ranked[0]
+        assert list(index.order(turn)) == ranked

@@ -24,6 +24,7 @@ from minipd.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from minipd.engine.sequence import Sequence, SequenceStatus
 from minipd.sampling_params import SamplingParams
 from minipd.server.modes import Mode
+from minipd.sim.load_index import LoadIndex
 from minipd.sim.profile import Profile, draw
 
 TOKEN = 1  # what every simulated step samples (the bench's requests ignore EOS: lengths are exact)
@@ -131,6 +132,7 @@ class SimWorker:
         requests = sim.requests
         for key in shape.prefilling:
             requests[key].events.setdefault("prefill_start", started)
+        tracing = sim.events is not None
         for seq, token in zip(batch.seqs, sampled):
             if token is not None:
                 sr = requests[seq.request_id]
@@ -138,7 +140,8 @@ class SimWorker:
                 if not times:
                     sr.events["prefill_end"] = now
                 times.append(at_client)
-                keys.append(seq.request_id)
+                if tracing:
+                    keys.append(seq.request_id)
         if sim.events is not None:
             sim.events.append({"type": "step", "worker": self.id, "time": started, "end": now,
                                "prefill_tokens": shape.prefill_tokens, "decodes": shape.decodes, "keys": keys,
@@ -174,6 +177,8 @@ class Simulation:
         for w in self.workers:
             w.box = self.workers[w.id - w.id % per_box : w.id - w.id % per_box + per_box]
         self.requests: dict[str, SimRequest] = {}
+        self.by_load = {role: LoadIndex([w.id for w in self.workers if w.role == role])
+                        for role in ("both", "prefill", "decode")}  # fmt: skip
         self.seat_queue: deque[SimRequest] = deque()
         self.turn: dict[str, int] = {}
         self.events: list[dict] | None = [] if self.options.trace else None
@@ -216,20 +221,24 @@ class Simulation:
         else:
             sr.path = "remote"
             sr.worker = self._pick("prefill").id  # the writer is chosen first, as dispatch does
-            self.workers[sr.worker].load += 1
+            self._load(self.workers[sr.worker], 1)
             self.seat_queue.append(sr)
             self._pump_seats()
+
+    def _load(self, w: SimWorker, delta: int) -> None:
+        w.load += delta
+        self.by_load[w.role].add(w.id, delta)
 
     def _pick(self, role: str) -> SimWorker:
         n = len(self.workers)
         turn = self.turn.get(role, 0)
-        w = min((w for w in self.workers if w.role == role), key=lambda w: (w.load, (w.id - turn) % n))
+        w = self.workers[self.by_load[role].first(turn % n)]
         self.turn[role] = w.id + 1
         return w
 
     def _send(self, sr: SimRequest, w: SimWorker, hand_off: bool | None) -> None:
         if sr.worker != w.id:
-            w.load += 1
+            self._load(w, 1)
         sr.worker = w.id
         w.deliver(self._add, w, sr, hand_off)
 
@@ -250,16 +259,14 @@ class Simulation:
             headroom_tokens = max(0, min(self.profile.worker.decode_headroom_tokens, sr.req.output_len,
                                          self.profile.worker.num_blocks * bs - n - 1))  # fmt: skip
             headroom = max(0, blocks_for(n + 1 + headroom_tokens, bs) - now_blocks)
-            n_workers = len(self.workers)
-            turn = self.turn.get("seat", 0)
-            readers = sorted((w for w in self.workers if w.role == "decode"),
-                             key=lambda w: (w.load, (w.id - turn) % n_workers))  # fmt: skip
+            turn = self.turn.get("seat", 0) % len(self.workers)
+            readers = (self.workers[i] for i in self.by_load["decode"].order(turn))
             reader = next((w for w in readers if w.blocks.add_seat(sr.key, now_blocks, headroom) is not None), None)
             if reader is None:
                 return  # waits until a decode worker frees blocks
             self.turn["seat"] = reader.id + 1
             self.seat_queue.popleft()
-            reader.load += 1
+            self._load(reader, 1)
             sr.reader = reader.id
             reader.deliver(self._seated, sr)  # the grant leaves the reader between its steps
 
@@ -297,12 +304,12 @@ class Simulation:
             self.events.append({"type": "request", "kind": "transfer_end", "request_id": sr.key[:-2], "key": sr.key,
                                 "worker": sr.reader, "time": self.now, "bytes": sr.kv_bytes,
                                 "seconds": self.now - sr.events["transfer_start"], "from": sr.writer_id})  # fmt: skip
-        self.workers[sr.writer_id].load -= 1  # the router's placement becomes the reader's when the KV is in
+        self._load(self.workers[sr.writer_id], -1)  # the router's placement becomes the reader's when the KV is in
         sr.worker = reader.id
         reader.scheduler.add_imported(moved)
 
     def finished(self, sr: SimRequest, w: SimWorker) -> None:
-        w.load -= 1
+        self._load(w, -1)
         sr.record.output_tokens = len(sr.record.token_times)
         sr.record.end_time = sr.record.token_times[-1] if sr.record.token_times else self.now
         sr.record.server_timeline = {"request_id": sr.key[:-2], "arrival": sr.record.send_time, "path": sr.path,
