@@ -28,16 +28,17 @@ def profile(num_blocks: int = 256, step: StepCost = STEP, host: Host | None = No
 
 def test_fit_recovers_the_coefficients_of_exact_steps():
     rng = np.random.default_rng(0)
-    truth = StepCost(0.02, 3e-4, 2e-9, 1.5e-3, 4e-7)
+    truth = StepCost(0.02, 3e-4, 2e-9, 1.5e-3, 4e-7, per_mixed_decode=5e-4)
     steps = []
-    for _ in range(200):
-        p, d = int(rng.integers(0, 1000)), int(rng.integers(0, 32))
+    for i in range(200):
+        p, d = int(rng.integers(0, 1000)) * (i % 2), int(rng.integers(0, 32))  # decode-only, prefill and mixed steps
         pa, dc = p * (p + 1) // 2, d * int(rng.integers(10, 2000))
         t = truth.seconds(p, pa, d, dc)
         steps.append({"time": 100.0, "end": 100.0 + t, "prefill_tokens": p, "prefill_attention": pa, "decodes": d,
                       "decode_context": dc})  # fmt: skip
     got, quality = fit_steps(steps)
-    for name in ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context"):
+    for name in ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context",
+                 "per_mixed_decode"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
     assert quality["p90_abs_rel_error"] < 1e-9
     assert got.noise[0] == pytest.approx(1.0) and got.noise[-1] == pytest.approx(1.0)

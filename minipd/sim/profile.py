@@ -6,6 +6,7 @@ The step model is linear in what the scheduler put in the step (StepShape):
 
     step = fixed + prefill_tokens * per_prefill_token + prefill_attention * per_attention_pair
                  + decodes * per_decode + decode_context * per_decode_context
+                 + (decodes in a step that also reads prompt tokens) * per_mixed_decode
 
 fitted on measured steps by non-negative least squares on relative error (a 20 ms decode step
 counts as much as a 2 s prefill), and `gap` is the worker's own time between two steps."""
@@ -22,11 +23,12 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = 1
-TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context")
+TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode")
 
 
 def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> tuple:
-    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context))
+    mixed = decodes if prefill_tokens else 0
+    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context), float(mixed))
 
 
 @dataclass(slots=True)
@@ -36,13 +38,15 @@ class StepCost:
     per_attention_pair: float = 0.0
     per_decode: float = 0.0
     per_decode_context: float = 0.0
+    per_mixed_decode: float = 0.0  # what a decode adds beyond per_decode in a step that also reads prompt tokens
     gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
     noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
     co_runner: float = 0.0  # a step is (1 + co_runner x b) slower, b the share of the box's other workers stepping
 
     def seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> float:
         return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
-                + decodes * self.per_decode + decode_context * self.per_decode_context)  # fmt: skip
+                + decodes * self.per_decode + decode_context * self.per_decode_context
+                + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         return self.seconds(prompt_tokens, prompt_tokens * (prompt_tokens + 1) // 2, 0, 0)
