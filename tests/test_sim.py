@@ -210,3 +210,14 @@ def test_load_index_ranks_workers_as_the_router_does():
         ranked = sorted(ids, key=lambda i: (load[i], (i - turn) % n))
         assert index.first(turn) == ranked[0]
         assert list(index.order(turn)) == ranked
+
+
+def test_a_writers_transfers_share_its_link():
+    """Two prompts read in one step on one prefill worker: over a slow paced link the second KV waits
+    for the first (one link per writer), so its transfer takes twice as long."""
+    reqs = [BenchRequest(0, 100, 2, 0.0), BenchRequest(1, 100, 2, 0.0)]
+    link = Link(0.0, 1e6)
+    records, _ = simulate(profile(link=link), reqs, Mode("disagg", kv_link_gbps=0.008), 2, Options(kv_link_gbps=0.008))
+    one = 100 * KV_PER_TOKEN / 1e6
+    kv = sorted(r.server_timeline["kv_transfer"]["seconds"] for r in records)
+    assert kv[0] == pytest.approx(one, rel=0.05) and kv[1] == pytest.approx(2 * one, rel=0.05)

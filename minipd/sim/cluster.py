@@ -69,11 +69,13 @@ class SimWorker:
         self.steps = 0
         self.hold_s = 0.0  # the loop copies KV out (shm writes in place) before its next step
         self.in_step = False
+        self.link_free_at = 0.0  # its outgoing KV link is busy until then
         self.box: list[SimWorker] = [self]  # the workers sharing this one's machine (the simulation sets it)
 
     def deliver(self, fn, *args) -> None:
-        """A message to this worker: handled now if it is between steps, else when its step ends."""
-        if self.stepping:
+        """A message to this worker: handled now if it is between steps (the next step, even one due now,
+        sees it, as the real loop drains its messages before each step), else when its step ends."""
+        if self.in_step:
             self.at_boundary.append((fn, args))
         else:
             fn(*args)
@@ -282,6 +284,9 @@ class Simulation:
         seconds = self.link.seconds(num_bytes)
         if self.link.blocks_writer:
             writer.hold_s += seconds
+        else:  # one link per writer: its transfers go one after another
+            seconds += max(0.0, writer.link_free_at - self.now)
+            writer.link_free_at = self.now + seconds
         sr.kv_bytes, sr.events["transfer_start"], sr.writer_id = num_bytes, self.now, writer.id
         if self.events is not None:
             self.events.append({"type": "request", "kind": "transfer_start", "request_id": sr.key[:-2], "key": sr.key,

@@ -31,7 +31,7 @@ def placement_search(profile: Profile, workload: str, sizes: list[int], s: ex.Se
     for n in sizes:
         for label, body in splits(n):
             lo = per_worker_rate * n
-            found = sim_goodput(profile, workload, label, body, s, n, lo, 16 * lo, max_runs, options)
+            found = sim_goodput(profile, workload, label, body, s, n, lo, 32 * lo, max_runs, options)
             row = {"workers": n, "label": label, "prefill": body.get("prefill_workers", 0), "goodput": found["goodput_rate"],
                    "per_worker": found["goodput_rate"] / n, "probes": found["probes"],
                    "requests": sum(r["num_prompts"] for r in found["runs"]),
@@ -57,13 +57,13 @@ def link_study(profile: Profile, workload: str, num_workers: int, gbps: list[flo
     moves no KV). The crossover is the lowest rate from which the best split stays at or above it."""
     lo = per_worker_rate * num_workers
     base = sim_goodput(profile, workload, "colocated", {"mode": "colocated", "workers": None}, s, num_workers, lo,
-                       16 * lo, max_runs)["goodput_rate"]  # fmt: skip
+                       32 * lo, max_runs)["goodput_rate"]  # fmt: skip
     points = []
     for g in gbps:
         best = 0.0
         for label, body in splits(num_workers)[1:]:
             body = dict(body, kv_link_gbps=g)
-            best = max(best, sim_goodput(profile, workload, label, body, s, num_workers, lo, 16 * lo, max_runs,
+            best = max(best, sim_goodput(profile, workload, label, body, s, num_workers, lo, 32 * lo, max_runs,
                                          Options(transport="tcp"))["goodput_rate"])  # fmt: skip
         points.append((g, best))
         if say:

@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--fleet-link-gbps", default=None, metavar="G,G,...",
                    help="the link crossover at the largest fleet size: the best disagg split's goodput at each KV link "
                    "rate against colocated's")  # fmt: skip
+    g.add_argument("--fleet-link-workers", type=int, default=None,
+                   help="the link study's fleet size (default: the largest of --fleet-sizes, else --workers)")
     g.add_argument("--per-worker-rate", type=float, default=0.25,
                    help="fleet studies: the rate search starts at this many req/s per worker")
     g.add_argument("--probe-seconds", type=float, default=60.0,
@@ -77,8 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("the simulator runs colocated, chunked and disagg modes (not auto or server)")
     if args.num_prompts is None and args.duration is None:
         args.num_prompts = 20
-    if args.goodput_search and not (args.slo_ttft_ms and args.slo_tpot_ms):
-        ap.error("--goodput-search needs --slo-ttft-ms and --slo-tpot-ms")
+    if (args.goodput_search or args.fleet_sizes or args.fleet_link_gbps) and not (args.slo_ttft_ms and args.slo_tpot_ms):
+        ap.error("--goodput-search and the fleet studies need --slo-ttft-ms and --slo-tpot-ms")
     return args
 
 
@@ -220,7 +222,8 @@ def fleet(args, profile, settings) -> int:
         _plot_placement(out / "fleet_placement.png", rows, name)
     if args.fleet_link_gbps:
         gbps = [float(x) for x in args.fleet_link_gbps.split(",")]
-        study = fl.link_study(profile, name, max(sizes), gbps, s, args.per_worker_rate, args.search_max_runs, say=say)
+        n_link = args.fleet_link_workers or max(sizes)
+        study = fl.link_study(profile, name, n_link, gbps, s, args.per_worker_rate, args.search_max_runs, say=say)
         doc["link_study"] = study
         cross = study["crossover_gbps"]
         lines += ["## KV link crossover", "", f"{study['workers']} workers; colocated goodput {study['colocated']:.2f} req/s.",
