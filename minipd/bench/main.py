@@ -21,6 +21,24 @@ import sys
 from minipd.cli_help import DefaultsFormatter
 
 
+def add_traffic_args(g) -> None:
+    """The requests of a run: bench's, and the simulator's, which plays the same ones."""
+    g.add_argument(
+        "--workloads",
+        default=None,
+        help="comma-separated: chat, summarize, mixed, fixed, phases (chat, then summarize, then chat: a third "
+        "of the run each; reported per phase) (default: chat; fixed when --input-len and --output-len are given)",
+    )
+    g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
+    g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
+    g.add_argument("--quick", action="store_true", help="lengths that fit a 2-core CPU (see minipd/bench/workloads.py)")
+    g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s) to sweep; inf = all at once")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
+    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
+    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
+    g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=DefaultsFormatter)  # fmt: skip
@@ -36,21 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="for the server this starts: seconds between the advisor's decisions in mode auto "
                    "(default: the server's, 30); it is also given --slo-ttft-ms/--slo-tpot-ms")  # fmt: skip
     g = ap.add_argument_group("traffic")
-    g.add_argument(
-        "--workloads",
-        default=None,
-        help="comma-separated: chat, summarize, mixed, fixed, phases (chat, then summarize, then chat: a third "
-        "of the run each; reported per phase) (default: chat; fixed when --input-len and --output-len are given)",
-    )
-    g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
-    g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
-    g.add_argument("--quick", action="store_true", help="lengths that fit a 2-core CPU (see minipd/bench/workloads.py)")
-    g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s) to sweep; inf = all at once")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
-    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
-    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
+    add_traffic_args(g)
     g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
-    g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
     g.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run each point (workload x rate x mode) N times with seeds seed..seed+N-1 (other requests "
                    "and arrivals each time, the same N for every mode) and report each metric's median with a 95%% "

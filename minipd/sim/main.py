@@ -17,16 +17,10 @@ from minipd.cli_help import DefaultsFormatter
 
 
 def add_traffic_args(ap: argparse.ArgumentParser) -> None:
+    from minipd.bench.main import add_traffic_args as bench_traffic
+
     g = ap.add_argument_group("traffic (as bench)")
-    g.add_argument("--workloads", default=None, help="comma-separated: chat, summarize, mixed, fixed, phases")
-    g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
-    g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
-    g.add_argument("--quick", action="store_true", help="the bench's lengths for a 2-core CPU")
-    g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s)")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
-    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
-    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
-    g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests as bench's")
+    bench_traffic(g)
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO on time per output token")
 
