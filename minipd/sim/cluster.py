@@ -203,7 +203,11 @@ class Simulation:
         finally:
             if collecting:
                 gc.enable()
-        return [self.requests[f"r{r.index}.1"].record for r in requests]
+        records = [self.requests[f"r{r.index}.1"].record for r in requests]
+        for rec in records:
+            if rec.end_time is None:  # e.g. a seat that never came: no decode worker could hold it
+                rec.error = "not finished when the simulation ran out of events"
+        return records
 
     # ---- the router ----------------------------------------------------------------------------
     def _arrive(self, r: BenchRequest) -> None:
