@@ -198,7 +198,8 @@ def fleet(args, profile, settings) -> int:
     sizes = [int(x) for x in (args.fleet_sizes or str(args.workers)).split(",")]
     say = lambda text: print(text, file=sys.stderr)  # noqa: E731
     doc = {"profile": profile.source, "workload": name, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
-    lines = ["# Fleet studies (simulated, not measured)", "", profile_note(profile), "",
+    lines = ["# Fleet studies (simulated, not measured)", "", "Made with:", "", "```",
+             "python -m minipd sim " + " ".join(sys.argv[2:]), "```", "", profile_note(profile), "",
              f"Workload `{name}`{' (--quick sizes)' if args.quick else ''}, SLOs TTFT {args.slo_ttft_ms:g} ms and TPOT "
              f"{args.slo_tpot_ms:g} ms; goodput is DistServe's (the highest rate with >= 90% of requests within both), "
              f"each probe {args.probe_seconds:g} s of Poisson arrivals.", ""]  # fmt: skip
