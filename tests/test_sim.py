@@ -221,3 +221,58 @@ def test_a_writers_transfers_share_its_link():
     one = 100 * KV_PER_TOKEN / 1e6
     kv = sorted(r.server_timeline["kv_transfer"]["seconds"] for r in records)
     assert kv[0] == pytest.approx(one, rel=0.05) and kv[1] == pytest.approx(2 * one, rel=0.05)
+
+
+def test_sim_cli_refuses_bad_input_with_a_clear_error(tmp_path, capsys):
+    from minipd.sim.main import run
+
+    not_json = tmp_path / "bad.json"
+    not_json.write_text("{not json")
+    for argv, says in ((["--profile", str(tmp_path / "missing.json")], "cannot read the profile"),
+                       (["--profile", str(not_json)], "cannot read the profile"),
+                       (["--profile", str(profile().save(tmp_path / "p.json")), "--modes", "disagg:2p2d"],
+                        "disagg:2p2d needs 4 workers")):  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            run([*argv, "--out", str(tmp_path / "out")])
+        assert stop.value.code == 2
+        assert says in capsys.readouterr().err
+
+
+def test_a_request_no_decode_worker_can_seat_fails_instead_of_vanishing():
+    records, sim = simulate(profile(num_blocks=4), [BenchRequest(0, 200, 4, 0.0), BenchRequest(1, 20, 4, 0.0)],
+                            Mode("disagg"), 2)  # fmt: skip
+    too_big, fits = records
+    assert not too_big.ok and "does not fit in any decode worker's KV cache" in too_big.error
+    assert fits.ok and fits.output_tokens == 4
+
+
+def test_co_runner_slowdown_is_measured_from_overlapping_steps():
+    from minipd.sim.profile import co_busy
+
+    truth = StepCost(0.01, 1e-4, 0.0, 2e-3, 0.0)
+    steps, t = [], 0.0
+    for i in range(40):  # worker 0 alone, then both at once, 25% slower
+        d = 4 + i % 5
+        base = truth.seconds(0, 0, d, 0)
+        if i < 20:
+            steps.append({"worker": 0, "time": t, "end": t + base, "prefill_tokens": 0, "prefill_attention": 0,
+                          "decodes": d, "decode_context": 0})  # fmt: skip
+        else:
+            for w in (0, 1):
+                steps.append({"worker": w, "time": t, "end": t + base * 1.25, "prefill_tokens": 0,
+                              "prefill_attention": 0, "decodes": d, "decode_context": 0})  # fmt: skip
+        t += 1.0
+    co_busy(steps)
+    assert [s["co_busy"] for s in steps[:20]] == [0.0] * 20 and all(s["co_busy"] == 1.0 for s in steps[20:])
+    got, _ = fit_steps(steps)
+    assert got.co_runner == pytest.approx(0.25) and got.per_decode == pytest.approx(2e-3)
+
+
+def test_profile_and_plan_refuse_what_they_cannot_read(tmp_path, capsys):
+    from minipd.bench.plan_main import run as plan_run
+    from minipd.sim.profile_main import run as profile_run
+
+    assert profile_run(["--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.json")]) == 2
+    assert "cannot reach a minipd server" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
+    assert plan_run(["--profile", str(tmp_path / "missing.json"), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]) == 2
+    assert "cannot read the profile" in capsys.readouterr().err

@@ -7,6 +7,7 @@ decode workers to run for a traffic description and SLOs, with the arithmetic sh
 from __future__ import annotations
 
 import argparse
+import sys
 
 from minipd.cli_help import DefaultsFormatter
 
@@ -62,7 +63,11 @@ def run(argv=None) -> int:
     if args.profile:
         from minipd.sim.profile import Profile as SimProfile
 
-        sim_profile = SimProfile.load(args.profile)
+        try:
+            sim_profile = SimProfile.load(args.profile)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"python -m minipd plan: error: cannot read the profile {args.profile}: {err}", file=sys.stderr)
+            return 2
         num_workers, max_model_len = args.plan_workers or args.workers, sim_profile.worker.max_model_len
     else:
         if args.url is None:

@@ -205,7 +205,7 @@ class Simulation:
                 gc.enable()
         records = [self.requests[f"r{r.index}.1"].record for r in requests]
         for rec in records:
-            if rec.end_time is None:  # e.g. a seat that never came: no decode worker could hold it
+            if rec.end_time is None and rec.error is None:
                 rec.error = "not finished when the simulation ran out of events"
         return records
 
@@ -224,6 +224,9 @@ class Simulation:
         elif sr.req.prompt_len < self.mode.local_prefill_tokens:
             sr.path = "local"
             self._send(sr, self._pick("decode"), hand_off=None)
+        elif blocks_for(sr.req.prompt_len + 1, self.profile.worker.block_size) > self.profile.worker.num_blocks:
+            sr.record.error = (f"the prompt ({sr.req.prompt_len} tokens) does not fit in any decode worker's KV "
+                               "cache")  # as dispatch refuses it, before it can hold up the seat queue  # fmt: skip
         else:
             sr.path = "remote"
             sr.worker = self._pick("prefill").id  # the writer is chosen first, as dispatch does

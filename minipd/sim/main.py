@@ -71,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(str(err))
     if any(b.get("mode") not in ("colocated", "chunked", "disagg") for _, b in args.mode_list):
         ap.error("the simulator runs colocated, chunked and disagg modes (not auto or server)")
+    for label, body in [] if args.fleet_sizes else args.mode_list:
+        need = body.get("prefill_workers", 0) + body.get("decode_workers", 0)
+        if body["mode"] == "disagg" and need > args.workers:
+            ap.error(f"{label} needs {need} workers; --workers is {args.workers}")
     if args.num_prompts is None and args.duration is None:
         args.num_prompts = 20
     if (args.goodput_search or args.fleet_sizes or args.fleet_link_gbps) and not (args.slo_ttft_ms and args.slo_tpot_ms):
@@ -82,16 +86,24 @@ def load_profile(args):
     from minipd.sim import profile as pf
 
     if args.profile:
-        p = pf.Profile.load(args.profile)
+        try:
+            p = pf.Profile.load(args.profile)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # missing, not JSON, not a profile
+            _fail(f"cannot read the profile {args.profile}: {err}")
     else:
         acc = pf.ACCELERATORS.get(args.estimate.lower())
         if acc is None:
-            raise SystemExit(f"unknown accelerator {args.estimate!r}: one of {', '.join(pf.ACCELERATORS)}")
+            _fail(f"unknown accelerator {args.estimate!r}: one of {', '.join(pf.ACCELERATORS)}")
         worker = pf.WorkerShape(num_blocks=(args.kv_cache_tokens or 262144) // 16, kv_bytes_per_token=args.kv_bytes_per_token)
         p = pf.roofline(acc, args.params, args.kv_bytes_per_token, args.params * args.dtype_bytes, worker)
     if args.kv_cache_tokens and args.profile:
         p.worker.num_blocks = args.kv_cache_tokens // p.worker.block_size
     return p
+
+
+def _fail(message: str):
+    print(f"python -m minipd sim: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def run(argv=None) -> int:

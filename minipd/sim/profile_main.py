@@ -37,7 +37,15 @@ def run(argv=None) -> int:
 
     server = None
     if args.url:
-        target = Target.probe(args.url, args.api_key)
+        try:
+            target = Target.probe(args.url, args.api_key)
+        except (OSError, RuntimeError, ValueError, KeyError) as err:  # unreachable, or not an OpenAI server
+            print(f"python -m minipd profile: error: cannot reach a minipd server at {args.url}: {err}", file=sys.stderr)
+            return 2
+        if not target.is_minipd:
+            print(f"python -m minipd profile: error: {args.url} is not a minipd server (a profile reads its workers' "
+                  "engine steps)", file=sys.stderr)  # fmt: skip
+            return 2
     else:
         extra = ["--model", args.model] if args.model else []
         server = ServerProcess("--workers", str(args.workers), "--threads-per-worker", str(args.threads_per_worker),
