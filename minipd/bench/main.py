@@ -389,6 +389,7 @@ def _validate_sim(target, args, settings, runs, searches) -> dict:
     import json
     from pathlib import Path
 
+    from minipd.bench.experiment import parse_mode
     from minipd.sim.measure import measure
     from minipd.sim.runs import sim_goodput, sim_once
     from minipd.sim.validate import table, validate
@@ -408,7 +409,7 @@ def _validate_sim(target, args, settings, runs, searches) -> dict:
     v = validate(pairs)
     v["goodput"] = []
     for found in searches:
-        body = dict(ex_parse(found["label"]))
+        body = parse_mode(found["label"])[1]
         got = sim_goodput(profile, found["workload"], found["label"], body, settings, target.num_workers,
                           found["probes"][0][0], 8 * max(float(r) for r in args.rates.split(",")), args.search_max_runs)  # fmt: skip
         v["goodput"].append({"workload": found["workload"], "label": found["label"], "measured": found["goodput_rate"],
@@ -420,9 +421,3 @@ def _validate_sim(target, args, settings, runs, searches) -> dict:
         json.dump(v, f, indent=1, default=str)
     print(table(v), file=sys.stderr)
     return v
-
-
-def ex_parse(label: str):
-    from minipd.bench.experiment import parse_mode
-
-    return parse_mode(label)[1]
