@@ -8,22 +8,36 @@ import pytest
 
 from minipd.server.advisor import AdvisorConfig
 from minipd.server.modes import Mode
+from minipd.sim.profile import StepCost
 from tests.helpers import serving, stream_completions
 from tests.test_router_units import FakePool, serving_router
 
-# a prompt token costs 0.5 ms to read; a decode step 10 ms + 1 ms per reply in the batch
-PREFILL = [(n, 0.002 + 0.0005 * n) for n in (200, 400, 800, 1600)]
-DECODE = [(b, 0.010 + 0.001 * b) for b in (1, 4, 8, 16)]
+# the "true" step costs the steps below are made from: a prompt token 0.5 ms to read, a decode
+# step 10 ms + 1 ms per reply in the batch (+ a little per token of context)
+TRUE = StepCost(fixed=0.002, per_prefill_token=0.0005, per_decode=0.001, per_decode_context=1e-7)
+TRUE_DECODE_FIXED = 0.008  # decode-only steps pay this on top of `fixed` (the planner fits it as its intercept)
 
 
-def advisor_with(window: float = 10.0, slo_tpot: float = 0.014):
-    router = serving_router(FakePool(["both", "both"]))
+def true_seconds(prefill: int, decodes: int, context: int) -> float:
+    s = TRUE.seconds(prefill, prefill * (prefill + 1) // 2, decodes, context)
+    return s + (TRUE_DECODE_FIXED if decodes and not prefill else 0.0)
+
+
+def feed_steps(a, prefill=(200, 400, 800, 1600), batches=(1, 4, 8, 16), mixed=()):
+    """Steps as workers report them, one worker at a time (none overlaps another)."""
+    t = time.time() - 100.0
+    shapes = [(n, 0, 0) for n in prefill] + [(0, b, b * 300) for b in batches] + list(mixed)
+    for i, (n, b, ctx) in enumerate(shapes * 3):
+        seconds = true_seconds(n, b, ctx)
+        a.on_step(i % 2, t, t + seconds, n, b, n * (n + 1) // 2, ctx)
+        t += seconds + 0.01
+
+
+def advisor_with(window: float = 10.0, slo_tpot: float = 0.014, model: str = "planner", slo_ttft: float = 2.0):
+    router = serving_router(FakePool(["both", "both"], num_blocks=1024))
     a = router.advisor
-    a.config = AdvisorConfig(window_s=window, slo_ttft_s=2.0, slo_tpot_s=slo_tpot, min_gain=0.1)
-    for n, s in PREFILL * 3:
-        a.on_step(n, 0, s)
-    for b, s in DECODE * 3:
-        a.on_step(0, b, s)
+    a.config = AdvisorConfig(window_s=window, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, min_gain=0.1, model=model)
+    feed_steps(a)
     return router, a
 
 
@@ -31,13 +45,15 @@ def feed(a, now: float, rate: float, prompt: int, output: int, window: float) ->
     count = int(rate * window)
     for i in range(count):
         t = now - window + i / rate
-        a.on_arrival(t, prompt, output)
-        a.on_finished({"arrival": t, "events": {"finish": now - 0.01}, "prompt_tokens": prompt,
+        key = f"r{t:.6f}-{prompt}"
+        a.on_arrival(t, prompt, output, key)
+        a.on_finished({"request_id": key, "arrival": t, "events": {"finish": now - 0.01}, "prompt_tokens": prompt,
                        "output_tokens": output, "ttft": 0.5, "tpot": 0.05, "finish_reason": "length"})  # fmt: skip
 
 
-def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows():
-    router, a = advisor_with()
+@pytest.mark.parametrize("model", ["sim", "planner"])
+def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows(model):
+    router, a = advisor_with(model=model)
     now = time.time()
     feed(a, now, 1.5, 1000, 100, 10.0)
     first = a.decide(now)
@@ -53,8 +69,9 @@ def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows():
     assert second["measured"]["slo_attainment"] == 0.0  # fed with a 50 ms TPOT against a 14 ms SLO
 
 
-def test_short_prompts_keep_colocated_and_too_little_traffic_decides_nothing():
-    router, a = advisor_with()
+@pytest.mark.parametrize("model", ["sim", "planner"])
+def test_short_prompts_keep_colocated_and_too_little_traffic_decides_nothing(model):
+    router, a = advisor_with(model=model)
     now = time.time()
     feed(a, now, 2.0, 50, 100, 10.0)
     entry = a.decide(now)
@@ -63,8 +80,9 @@ def test_short_prompts_keep_colocated_and_too_little_traffic_decides_nothing():
     assert quiet["switch_to"] is None and quiet["decision"].startswith("wait: too little traffic")
 
 
-def test_every_candidate_is_a_mode_the_server_accepts():
-    router, a = advisor_with()
+@pytest.mark.parametrize("model", ["sim", "planner"])
+def test_every_candidate_is_a_mode_the_server_accepts(model):
+    router, a = advisor_with(model=model)
     feed(a, time.time(), 1.5, 1000, 100, 10.0)
     feed(a, time.time(), 2.0, 50, 100, 10.0)  # short prompts beside long ones: a local-prefill threshold splits them
     entry = a.decide(time.time())
@@ -109,3 +127,56 @@ def test_under_overload_each_mode_is_credited_with_the_rate_it_can_carry_within_
     goodputs = {c["label"]: c["goodput"] for c in entry["predictions"]}
     assert all(g < 4.0 for g in goodputs.values()), goodputs
     assert max(goodputs.values()) > 0.5, goodputs  # some mode still carries a share within the SLOs
+
+
+def chat_with_long_documents(a, now: float, window: float = 20.0) -> None:
+    for i in range(int(3 * window)):  # chat: 3 a second, 50-token prompts, 100-token replies
+        a.on_arrival(now - window + i / 3, 50, 100, f"chat{i}")
+    for i in range(int(window // 5)):  # and a 3,000-token document every 5 s (1.5 s to read)
+        a.on_arrival(now - window + 1 + 5 * i, 3000, 10, f"doc{i}")
+
+
+def test_the_replay_sees_replies_stalled_behind_long_prompts_that_the_mean_model_misses():
+    """Colocated: a document read on a worker stalls every reply decoding there for 1.5 s, +15 ms on a
+    100-token reply's TPOT (SLO 20 ms, 11-16 ms otherwise). A reply lives ~1.2 s and a worker gets a
+    document every 10 s: by the arithmetic, about one reply in eight misses. The planner's mean TPOT (decode step / (1 - prompt load)) is within the SLO, so it keeps
+    colocated; the replay counts the stalled replies and moves to disagg, where no prompt is read
+    beside a decode."""
+    now = time.time()
+    _, planner = advisor_with(window=20.0, slo_tpot=0.020, slo_ttft=3.0, model="planner")
+    chat_with_long_documents(planner, now)
+    said = planner.decide(now)
+    assert said["predictions"][0]["label"] == "colocated" and said["predictions"][0]["slo_margin"] >= 1
+    assert said["decision"].startswith("stay"), said["decision"]
+
+    _, replay = advisor_with(window=20.0, slo_tpot=0.020, slo_ttft=3.0, model="sim")
+    chat_with_long_documents(replay, now)
+    said = replay.decide(now)
+    rows = {c["label"]: c for c in said["predictions"]}
+    assert 0.6 < rows["colocated"]["slo_attainment"] < 0.95, rows["colocated"]
+    assert rows["disagg:1p1d"]["slo_attainment"] == 1.0, rows["disagg:1p1d"]
+    assert said["best"] == "disagg:1p1d" and said["decision"].startswith("wait"), said["decision"]
+    step = said["profile"]["step"]  # fitted from the steps alone, near the true costs
+    assert abs(step["per_prefill_token"] - TRUE.per_prefill_token) < 0.1 * TRUE.per_prefill_token, step
+    assert abs(step["per_decode"] - TRUE.per_decode) < 0.1 * TRUE.per_decode, step
+
+
+def test_the_replay_waits_until_it_has_seen_steps_of_both_kinds():
+    router = serving_router(FakePool(["both", "both"], num_blocks=1024))
+    a = router.advisor
+    a.config = AdvisorConfig(window_s=10.0, model="sim")
+    feed_steps(a, batches=())  # prompts read, but no decode step yet
+    now = time.time()
+    feed(a, now, 2.0, 100, 20, 10.0)
+    assert a.decide(now)["decision"] == "wait: too few steps measured to predict"
+
+
+def test_a_prediction_runs_off_the_event_loop_on_a_snapshot():
+    router, a = advisor_with(window=20.0, slo_tpot=0.020, slo_ttft=3.0, model="sim")
+    now = time.time()
+    chat_with_long_documents(a, now)
+    snap, entry = a._open(now)
+    a.on_arrival(now + 1, 10, 10, "late")  # the router goes on while the replay runs
+    a.steps.clear()
+    entry = asyncio.run(asyncio.to_thread(a._predict, snap, entry))
+    assert len(entry["predictions"]) >= 4 and entry["traffic"]["rate"] == (60 + 4) / 20.0

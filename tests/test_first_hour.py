@@ -100,6 +100,7 @@ def test_a_port_in_use_is_one_line_and_exit_code_2_within_a_second():
     (("--model", "tiny-random", "--kv-link-gbps", "1"), "need --kv-transport tcp"),
     (("--model", "tiny-random", "--kv-transport", "cuda-ipc"), "does not work with --device cpu"),
     (("--model", "tiny-random", "--device", "cuda", "--quantization", "int8"), "--quantization int8"),
+    (("--model", "tiny-random", "--mode", "auto", "--advisor-profile", "/no/such.json"), "--advisor-profile"),
 ])  # fmt: skip
 def test_usual_mistakes_are_one_line_before_anything_heavy(args, words):
     out, took = run_cli("serve", "--port", "0", *args)

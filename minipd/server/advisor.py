@@ -1,15 +1,20 @@
-"""`--mode auto`: every window the advisor takes the traffic it measured (arrival rate, prompt and
-reply lengths) and the step times the workers reported, predicts each candidate mode's TTFT and
-TPOT with the planner's queueing model (bench/plan.py), and switches live when the predicted
-goodput of the best candidate beats the current mode's by more than `min_gain`, and was the best
-the window before as well (hysteresis: a single noisy window does not flip the mode).
+"""`--mode auto`: every window the advisor takes the traffic it measured (each request's arrival,
+prompt and reply length) and the step times the workers reported, predicts each candidate mode's
+goodput under the configured SLOs, and switches live when the best candidate beats the current
+mode by more than `min_gain`, and was the best the window before as well (hysteresis: a single
+noisy window does not flip the mode).
+
+Two models predict (`model`):
+- "sim" (the default): the workers' own steps fitted into a step profile, and the window's requests
+  replayed through the simulator under each candidate (server/advisor_sim.py). It sees tails: a
+  reply stalled behind a long prompt read on its worker, a queue that builds.
+- "planner": the planner's mean-value queueing model (bench/plan.py). Cheap, but blind to tails
+  (mean TPOT, no stall); kept to compare.
 
 Every decision is kept with its prediction; one window later the measured outcome of that window
 (TTFT, TPOT, SLO attainment, goodput) is put beside it, so the advisor can be judged by what it
-did. The model's limits are the planner's: mean values (no tail), decode step time without its
-context term (steps do not report context). Predicted goodput is DistServe's: the highest rate, up
-to the one offered, at which the model meets both SLOs (so an overloaded server still picks the
-mode that carries the most within its SLOs)."""
+did. Predicted goodput: "sim", requests within both SLOs per second; "planner", DistServe's, the
+highest rate up to the one offered at which the model meets both SLOs."""
 
 from __future__ import annotations
 
@@ -21,12 +26,19 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from minipd.bench.plan import Profile, Traffic, _fit, colocated, decode_tpot, prefill_ttft
+from minipd.server import advisor_sim
+from minipd.server.advisor_sim import Arrival
 from minipd.server.modes import Mode
+from minipd.sim.profile import Profile as StepProfile
+from minipd.sim.profile import WorkerShape
 
 log = logging.getLogger("minipd.advisor")
-KEPT_STEPS = 400  # per kind: the fits use the last ones (a quiet window keeps the older ones)
+KEPT_STEPS = 800  # the fits use the last ones (a quiet window keeps the older ones)
 KEPT_ENTRIES = 500
 CHUNK_CANDIDATES = (256, 512)
+MODELS = ("sim", "planner")
+GOODPUT_MEANING = {"sim": "predicted: the window's requests replayed in the simulator, those within both SLOs per second",
+                   "planner": "predicted: the highest rate up to the offered one at which the model meets both SLOs"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -36,6 +48,8 @@ class AdvisorConfig:
     slo_tpot_s: float = 0.1
     min_gain: float = 0.1  # relative predicted-goodput gain a switch must promise
     min_requests: int = 5  # fewer arrived in a window: no decision
+    model: str = "sim"  # or "planner" (see the module's docstring)
+    profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
 
 
 @dataclass(slots=True)
@@ -48,38 +62,61 @@ class Finished:
     tpot: float | None
 
 
+@dataclass(slots=True)
+class Snapshot:
+    """What one decision reads, copied on the event loop (the prediction runs in a thread)."""
+
+    now: float
+    arrivals: list[Arrival]  # the last two windows' (the earlier one for the load it left)
+    steps: list[dict]
+    transfers: list[tuple[int, float]]
+    outputs: list[int]
+    current: Mode
+    num_workers: int
+    shape: WorkerShape
+    transport: str
+
+
 class Advisor:
     def __init__(self, router, config: AdvisorConfig | None = None):
         self.router = router
         self.config = config or AdvisorConfig()
         self.enabled = False
-        self.prefill_steps: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (prompt tokens, seconds)
-        self.decode_steps: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (batch, seconds)
+        self.steps: deque[dict] = deque(maxlen=KEPT_STEPS)  # step events: worker, time, end and the step's shape
         self.transfers: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (bytes, seconds)
         self.finished: deque[Finished] = deque()
-        self.arrivals: deque[tuple[float, int, int]] = deque()  # (time, prompt tokens, max_tokens)
+        self.arrivals: deque[Arrival] = deque()
+        self.by_key: dict[str, Arrival] = {}
         self.outputs: deque[int] = deque(maxlen=KEPT_STEPS)  # reply lengths of the requests that finished
         self.entries: deque[dict] = deque(maxlen=KEPT_ENTRIES)
         self.last_best: str | None = None
         self.task: asyncio.Task | None = None
 
     # ---- what the router reports ----------------------------------------------------------------
-    def on_arrival(self, t: float, prompt_tokens: int, max_tokens: int) -> None:
-        self.arrivals.append((t, prompt_tokens, max_tokens))
+    def on_arrival(self, t: float, prompt_tokens: int, max_tokens: int | None, key: str | None = None) -> None:
+        a = Arrival(t, prompt_tokens, max_tokens)
+        self.arrivals.append(a)
+        if key is not None:
+            self.by_key[key] = a
 
-    def on_step(self, prefill_tokens: int, num_decodes: int, seconds: float) -> None:
-        if prefill_tokens and not num_decodes:
-            self.prefill_steps.append((prefill_tokens, seconds))
-        elif num_decodes and not prefill_tokens:
-            self.decode_steps.append((num_decodes, seconds))
+    def on_step(self, worker: int, start: float, end: float, prefill_tokens: int, decodes: int,
+                prefill_attention: int | None = None, decode_context: int = 0) -> None:  # fmt: skip
+        if prefill_attention is None:  # a worker that does not report it: as if each prompt were read whole
+            prefill_attention = prefill_tokens * (prefill_tokens + 1) // 2
+        self.steps.append({"worker": worker, "time": start, "end": end, "prefill_tokens": prefill_tokens,
+                           "prefill_attention": prefill_attention, "decodes": decodes,
+                           "decode_context": decode_context})  # fmt: skip
 
     def on_transfer(self, num_bytes: int, seconds: float | None) -> None:
         if num_bytes and seconds:
             self.transfers.append((num_bytes, seconds))
 
     def on_finished(self, timeline: dict) -> None:
+        a = self.by_key.pop(timeline.get("request_id"), None)
         if timeline["finish_reason"] in ("error", "abort"):
             return
+        if a is not None:
+            a.output_tokens = timeline["output_tokens"]
         self.outputs.append(timeline["output_tokens"])
         self.finished.append(Finished(timeline["arrival"], timeline["events"].get("finish", time.time()),
                                       timeline["prompt_tokens"], timeline["output_tokens"], timeline["ttft"],
@@ -97,8 +134,11 @@ class Advisor:
             if not self.enabled:
                 continue
             try:
-                entry = self.decide(time.time())
-                if entry.get("switch_to") is not None:
+                snap, entry = self._open(time.time())
+                if snap is not None:  # the replays take a fraction of a second: off the event loop
+                    entry = await asyncio.to_thread(self._predict, snap, entry)
+                entry = self._close(entry)
+                if entry.get("switch_to") is not None and self.enabled:
                     outcome = await self.router.set_mode(Mode(**entry["switch_to"]))
                     entry["switch"] = {k: outcome.get(k) for k in ("seconds", "moved", "bytes", "changed")}
             except Exception:
@@ -106,37 +146,80 @@ class Advisor:
 
     # ---- one decision -------------------------------------------------------------------------
     def decide(self, now: float) -> dict:
+        """One window's decision, all on the caller's thread."""
+        snap, entry = self._open(now)
+        return self._close(self._predict(snap, entry) if snap is not None else entry)
+
+    def _open(self, now: float) -> tuple[Snapshot | None, dict]:
+        """Measure the window that ended, and copy what the prediction needs (None: too little)."""
         cfg = self.config
         start = now - cfg.window_s
-        while self.arrivals and self.arrivals[0][0] < start:
+        while self.arrivals and self.arrivals[0].time < now - 2 * cfg.window_s:
             self.arrivals.popleft()
+        for key in [k for k, a in self.by_key.items() if a.time < now - 2 * cfg.window_s]:
+            del self.by_key[key]  # finished without telling us (a lost request): forgotten with the window
         window = [f for f in self.finished if f.end >= start]
         self.finished = deque(window)
         measured = self._measured(window)
         if self.entries and "measured_next" not in self.entries[-1]:
             self.entries[-1]["measured_next"] = measured  # what the last decision led to
         current = self.router.mode
-        entry = {"time": now, "window_s": cfg.window_s, "current": current.as_dict(), "measured": measured,
-                 "switch_to": None}  # fmt: skip
-        profile = self.profile()
-        if len(self.arrivals) < cfg.min_requests or profile is None:
-            entry["decision"] = "wait: too little traffic or too few steps measured to predict"
-            return self._publish(entry)
-        prompts = sorted(a[1] for a in self.arrivals)
-        replies = self.outputs or [a[2] for a in self.arrivals]  # no reply finished yet: their max_tokens
-        traffic = Traffic(len(self.arrivals) / cfg.window_s, statistics.fmean(prompts), statistics.fmean(replies))
-        candidates = self.predict(profile, traffic, prompts)
+        entry = {"time": now, "window_s": cfg.window_s, "model": cfg.model, "current": current.as_dict(),
+                 "measured": measured, "switch_to": None}  # fmt: skip
+        arrived = [a for a in self.arrivals if a.time >= start]
+        if len(arrived) < cfg.min_requests:
+            entry["decision"] = "wait: too little traffic to predict"
+            return None, entry
+        snap = Snapshot(now, [replace(a) for a in self.arrivals], list(self.steps), list(self.transfers),
+                        list(self.outputs), current, len(self.router.pool.workers), self._shape(),
+                        getattr(self.router, "kv_transport", "shm"))  # fmt: skip
+        return snap, entry
+
+    def _predict(self, snap: Snapshot, entry: dict) -> dict:
+        """Every candidate's prediction (runs in a thread: it reads only the snapshot)."""
+        cfg = self.config
+        arrived = [a for a in snap.arrivals if a.time >= snap.now - cfg.window_s]
+        prompts = sorted(a.prompt_tokens for a in arrived)
+        replies = snap.outputs or [a.max_tokens or 256 for a in arrived]  # none finished yet: their max_tokens
+        traffic = Traffic(len(arrived) / cfg.window_s, statistics.fmean(prompts), statistics.fmean(replies))
         entry["traffic"] = {"rate": traffic.rate, "prompt_tokens": traffic.prompt_tokens,
                             "output_tokens": traffic.output_tokens}  # fmt: skip
-        entry["profile"] = {k: v for k, v in profile.as_dict().items() if k != "points"}
-        entry["predictions"] = candidates
-        best = max(candidates, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
-        here = candidates[0]  # the current mode
-        gain = (best["goodput"] - here["goodput"]) / max(here["goodput"], 1e-3 * traffic.rate)
+        modes = candidates(snap.current, snap.num_workers, prompts)
+        if cfg.model == "sim":
+            fitted = (cfg.profile, {"source": "the profile given"}) if cfg.profile else advisor_sim.live_profile(
+                snap.steps, snap.transfers, snap.shape, snap.transport)
+            if fitted is None:
+                entry["decision"] = "wait: too few steps measured to predict"
+                return entry
+            profile, quality = fitted
+            entry["profile"] = {"step": {k: getattr(profile.step, k) for k in ("fixed", "per_prefill_token",
+                                "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode",
+                                "co_runner")}, "fit": quality}  # fmt: skip
+            rows = [self._sim_row(m, profile, snap) for m in modes]
+        else:
+            profile = self.planner_profile(snap)
+            if profile is None:
+                entry["decision"] = "wait: too few steps measured to predict"
+                return entry
+            entry["profile"] = {k: v for k, v in profile.as_dict().items() if k != "points"}
+            rows = [self._row(m, profile, traffic, prompts, snap.num_workers) for m in modes]
+        entry["predictions"] = rows
+        return entry
+
+    def _close(self, entry: dict) -> dict:
+        """The decision from the predictions (hysteresis), published."""
+        cfg = self.config
+        rows = entry.get("predictions")
+        if not rows:
+            return self._publish(entry)
+        best = max(rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
+        here = rows[0]  # the current mode
+        rate = entry["traffic"]["rate"]
+        gain = (best["goodput"] - here["goodput"]) / max(here["goodput"], 1e-3 * rate)
         entry.update(best=best["label"], predicted_gain=gain)
         steady = self.last_best == best["label"]
         self.last_best = best["label"]
-        if best["label"] == here["label"]:
+        if best["goodput"] <= here["goodput"] or best["label"] == here["label"]:
             entry["decision"] = f"stay: {here['label']} is predicted best"
         elif gain <= cfg.min_gain:
             entry["decision"] = f"stay: {best['label']} is predicted only {gain:+.0%} (threshold {cfg.min_gain:.0%})"
@@ -164,36 +247,38 @@ class Advisor:
                 "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
                 "tpot_mean_s": statistics.fmean(tpots) if tpots else None}  # fmt: skip
 
-    # ---- the model ------------------------------------------------------------------------------
-    def profile(self) -> Profile | None:
-        if len(self.prefill_steps) < 3 or len(self.decode_steps) < 3:
-            return None
-        a, b = _fit(*map(list, zip(*self.prefill_steps)))
-        c0, c1 = _fit(*map(list, zip(*self.decode_steps)))
-        moved, took = sum(x for x, _ in self.transfers), sum(s for _, s in self.transfers)
-        bandwidth = moved / took if took else float("inf")  # no handoff measured yet: taken as free
-        info = next((w.info for w in self.router.pool.workers if w.info is not None), None)
-        return Profile(a, b, c0, c1, 0.0, b, info.kv_bytes_per_token if info else 0, bandwidth,
-                       {"prefill_steps": len(self.prefill_steps), "decode_steps": len(self.decode_steps),
-                        "transfers": len(self.transfers)})  # fmt: skip
+    def _shape(self) -> WorkerShape:
+        info = next((w.info for w in self.router.pool.workers if getattr(w, "info", None) is not None), None)
+        limits = getattr(self.router, "limits", None)
+        shape = WorkerShape(max_num_seqs=limits.max_running_per_worker if limits else 64,
+                            decode_headroom_tokens=limits.decode_headroom_tokens if limits else 512,
+                            workers_per_box=len(self.router.pool.workers))  # fmt: skip
+        if info is not None:
+            shape.num_blocks, shape.block_size, shape.kv_bytes_per_token = (info.num_blocks, info.block_size,
+                                                                            info.kv_bytes_per_token)  # fmt: skip
+        return shape
 
-    def predict(self, p: Profile, t: Traffic, prompts: list[int]) -> list[dict]:
-        """The current mode and each candidate: mean TTFT and TPOT, SLO margin, predicted goodput."""
-        n = len(self.router.pool.workers)
-        cur = self.router.mode
-        base = replace(cur, local_prefill_tokens=0, workers=None)
-        modes = [cur, replace(base, name="colocated")]
-        modes += [replace(base, name="chunked", chunk_tokens=c) for c in CHUNK_CANDIDATES]
-        for prefill in range(1, n):
-            split = replace(base, name="disagg", prefill_workers=prefill, decode_workers=n - prefill)
-            modes.append(split)
-            modes += [replace(split, local_prefill_tokens=q) for q in sorted({_quantile(prompts, 0.5), _quantile(prompts, 0.9)})
-                      if q > prompts[0]]  # fmt: skip
-        out = []
-        for mode in modes:
-            if all(Mode(**row["mode"]) != mode for row in out):
-                out.append(self._row(mode, p, t, prompts, n))
-        return out
+    # ---- the models -----------------------------------------------------------------------------
+    def _sim_row(self, mode: Mode, profile: StepProfile, snap: Snapshot) -> dict:
+        cfg = self.config
+        got = advisor_sim.replay(profile, snap.arrivals, mode, snap.num_workers, snap.now - cfg.window_s,
+                                 cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.window_s, snap.transport)  # fmt: skip
+        margin = self._margin(got["ttft_p90_s"] or 0.0, got["tpot_p90_s"] or 0.0)
+        return {"label": _label(mode), "mode": _mode_fields(mode), **got, "slo_margin": _finite(margin)}
+
+    def planner_profile(self, snap: Snapshot) -> Profile | None:
+        prefill = [(s["prefill_tokens"], s["end"] - s["time"]) for s in snap.steps
+                   if s["prefill_tokens"] and not s["decodes"]]  # fmt: skip
+        decode = [(s["decodes"], s["end"] - s["time"]) for s in snap.steps if s["decodes"] and not s["prefill_tokens"]]
+        if len(prefill) < 3 or len(decode) < 3:
+            return None
+        a, b = _fit(*map(list, zip(*prefill)))
+        c0, c1 = _fit(*map(list, zip(*decode)))
+        moved, took = sum(x for x, _ in snap.transfers), sum(s for _, s in snap.transfers)
+        bandwidth = moved / took if took else float("inf")  # no handoff measured yet: taken as free
+        return Profile(a, b, c0, c1, 0.0, b, snap.shape.kv_bytes_per_token, bandwidth,
+                       {"prefill_steps": len(prefill), "decode_steps": len(decode),
+                        "transfers": len(snap.transfers)})  # fmt: skip
 
     def _row(self, mode: Mode, p: Profile, t: Traffic, prompts: list[int], n: int) -> dict:
         ttft, tpot = _predict(p, t, prompts, mode, n)
@@ -213,6 +298,24 @@ class Advisor:
     def _margin(self, ttft: float, tpot: float) -> float:
         cfg = self.config
         return min(cfg.slo_ttft_s / ttft if ttft else float("inf"), cfg.slo_tpot_s / tpot if tpot else float("inf"))
+
+
+def candidates(cur: Mode, n: int, prompts: list[int]) -> list[Mode]:
+    """The current mode first, then colocated, chunked budgets, every xPyD split of n workers, each
+    with a local-prefill threshold at the median and 90th-percentile prompt."""
+    base = replace(cur, local_prefill_tokens=0, workers=None)
+    modes = [cur, replace(base, name="colocated")]
+    modes += [replace(base, name="chunked", chunk_tokens=c) for c in CHUNK_CANDIDATES]
+    for prefill in range(1, n):
+        split = replace(base, name="disagg", prefill_workers=prefill, decode_workers=n - prefill)
+        modes.append(split)
+        modes += [replace(split, local_prefill_tokens=q) for q in sorted({_quantile(prompts, 0.5), _quantile(prompts, 0.9)})
+                  if q > prompts[0]]  # fmt: skip
+    out: list[Mode] = []
+    for mode in modes:
+        if mode not in out:
+            out.append(mode)
+    return out
 
 
 def _predict(p: Profile, t: Traffic, prompts: list[int], mode: Mode, n: int) -> tuple[float, float]:

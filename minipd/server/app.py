@@ -14,6 +14,7 @@ from pathlib import Path
 from aiohttp import web
 
 from minipd.server import protocol as p
+from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
@@ -364,8 +365,9 @@ class Api:
         a = self.router.advisor
         return web.json_response({"enabled": a.enabled, "window_s": a.config.window_s,
                                   "slo_ttft_s": a.config.slo_ttft_s, "slo_tpot_s": a.config.slo_tpot_s,
-                                  "min_gain": a.config.min_gain, "goodput": "predicted: the highest rate up to the offered one at which the model meets both SLOs",
-                                  "decisions": list(a.entries)})  # fmt: skip
+                                  "min_gain": a.config.min_gain, "model": a.config.model,
+                                  "profile": "given" if a.config.profile else "fitted live from the workers' steps",
+                                  "goodput": GOODPUT_MEANING[a.config.model], "decisions": list(a.entries)})  # fmt: skip
 
     def _worker(self, request):
         try:

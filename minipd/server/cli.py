@@ -54,6 +54,13 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="auto: seconds of traffic behind each decision")
     g.add_argument("--advisor-min-gain", type=float, default=0.1,
                    help="auto: the predicted goodput gain (0.1 = 10%%) a switch must promise, twice in a row")
+    g.add_argument("--advisor-model", default="sim", choices=["sim", "planner"],
+                   help="auto: how the advisor predicts each mode: sim replays the window's requests through the "
+                        "simulator on step times fitted from the workers' own steps; planner is the planner's "
+                        "mean-value model (blind to stalls)")
+    g.add_argument("--advisor-profile", metavar="FILE",
+                   help="auto with --advisor-model sim: step times from a profile measured by `python -m minipd "
+                        "profile` instead of fitted live")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="auto: the TTFT SLO the advisor plans for")
     g.add_argument("--slo-tpot-ms", type=float, default=100.0, help="auto: the TPOT SLO the advisor plans for")
     g.add_argument("--chunk-tokens", type=int, default=512,
@@ -172,6 +179,7 @@ def preflight(args) -> tuple[list[dict], object]:
     except ModelNotFound as err:
         raise UserError(str(err)) from None
     _check_port(args.host, args.port)
+    args.advisor_step_profile = _advisor_profile(args.advisor_profile)
     configs = worker_configs(args)
     mode = Mode("colocated" if args.mode == "auto" else args.mode, args.prefill_workers, args.decode_workers, args.chunk_tokens,
                 kv_link_gbps=args.kv_link_gbps, kv_link_latency_ms=args.kv_link_latency_ms,
@@ -181,6 +189,17 @@ def preflight(args) -> tuple[list[dict], object]:
     except InvalidRequest as err:
         raise UserError(f"--mode {args.mode}: {err} (--workers {len(configs)})") from None
     return configs, mode
+
+
+def _advisor_profile(path: str | None):
+    if path is None:
+        return None
+    from minipd.sim.profile import Profile
+
+    try:
+        return Profile.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as err:
+        raise UserError(f"--advisor-profile {path}: {err}") from None
 
 
 def _check_port(host: str, port: int) -> None:
@@ -311,7 +330,8 @@ def build_router(args, pool, tokenizer, metrics, mode):
     from minipd.server.advisor import AdvisorConfig
 
     router.advisor.config = AdvisorConfig(args.advisor_window, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
-                                          args.advisor_min_gain)  # fmt: skip
+                                          args.advisor_min_gain, model=args.advisor_model,
+                                          profile=getattr(args, "advisor_step_profile", None))  # fmt: skip
     return router
 
 

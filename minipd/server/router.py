@@ -86,7 +86,7 @@ class Router:
         state = RequestState(request_id, prompt_token_ids, params, stream)
         state.deadline = time.monotonic() + lim.request_timeout
         self.requests[request_id] = state
-        self.advisor.on_arrival(state.arrival, len(prompt_token_ids), params.max_tokens)
+        self.advisor.on_arrival(state.arrival, len(prompt_token_ids), params.max_tokens, request_id)
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(prompt_token_ids))
         self.spawn(self.dispatcher.place(state))
         return state
@@ -157,7 +157,8 @@ class Router:
         if isinstance(msg, m.WorkerStats):
             self._on_stats(msg)
         elif isinstance(msg, m.Step):
-            self.advisor.on_step(msg.prefill_tokens, msg.num_decodes, msg.end - msg.start)
+            self.advisor.on_step(msg.worker_id, msg.start, msg.end, msg.prefill_tokens, msg.num_decodes,
+                                 msg.prefill_attention, msg.decode_context)
             self.events.publish({"type": "step", "worker": msg.worker_id, "time": msg.start, "end": msg.end,
                                  "prefill_tokens": msg.prefill_tokens, "decodes": msg.num_decodes,
                                  "keys": msg.keys, "prefilling": msg.prefilling,
