@@ -14,7 +14,7 @@ from minipd.bench import phases as ph
 from minipd.bench.experiment import parse_mode, parse_modes
 from minipd.bench.metrics import RequestRecord
 from minipd.bench.report import load_results, write_report_md, write_results
-from minipd.bench.workloads import LENGTHS, PHASES, WORKLOADS, make_workload, phase_spans
+from minipd.bench.workloads import LENGTHS, PHASES, WORKLOADS, make_workload, parse_phases, phase_spans
 from tests.helpers import serving
 
 # ---- the workload --------------------------------------------------------------------------------
@@ -47,6 +47,36 @@ def test_phases_are_chat_then_long_documents_then_chat(quick):
     assert mean(docs, "prompt_len") > 5 * max(mean(chat1, "prompt_len"), mean(chat2, "prompt_len"))
     assert mean(docs, "output_len") < min(mean(chat1, "output_len"), mean(chat2, "output_len"))
     assert [(r.prompt_len, r.arrival) for r in chat1] != [(r.prompt_len, r.arrival - 200) for r in chat2[: len(chat1)]]
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_other_phases_by_name_and_the_generate_workload(quick):
+    kinds = parse_phases("chat,generate,chat,summarize")
+    reqs = make_workload("phases", duration=400.0, rate=2.0, seed=3, quick=quick, phases=kinds)
+    spans = phase_spans(reqs, 400.0, 2.0, len(kinds))
+    assert spans == [(0.0, 100.0), (100.0, 200.0), (200.0, 300.0), (300.0, 400.0)]
+    groups = [[r for r in reqs if r.phase == k] for k in range(4)]
+    for mine, (lo, hi), kind in zip(groups, spans, kinds):
+        assert mine and all(lo <= r.arrival < hi for r in mine)
+        prompt, output = LENGTHS[(kind, quick)]
+        o = np.array([r.output_len for r in mine])
+        assert o.min() >= output.lo and o.max() <= output.hi and np.median(o) == pytest.approx(output.median, rel=0.35)
+    chat, gen = groups[0], groups[1]
+    mean = lambda rs, f: np.mean([getattr(r, f) for r in rs])  # noqa: E731
+    # generate: short prompts, long replies (decode-heavy), unlike chat and summarize
+    assert mean(gen, "output_len") > 2 * mean(chat, "output_len") and mean(gen, "prompt_len") < mean(chat, "prompt_len")
+    alone = make_workload("generate", num_prompts=200, rate=2.0, seed=3, quick=quick)
+    assert np.median([r.output_len for r in alone]) == pytest.approx(LENGTHS[("generate", quick)][1].median, rel=0.2)
+    assert make_workload("phases", duration=60.0, rate=2.0, seed=3) == make_workload(
+        "phases", duration=60.0, rate=2.0, seed=3, phases=parse_phases(None))  # the default: chat, summarize, chat
+
+
+@pytest.mark.parametrize("text,words", [("chat,banter", "unknown phase 'banter'"), ("chat", "at least two phases")])
+def test_bad_phases_are_refused(text, words):
+    with pytest.raises(ValueError, match=words):
+        parse_phases(text)
+    with pytest.raises(SystemExit):
+        bench_main.parse_args(["--workloads", "phases", "--phases", text])
 
 
 def test_phases_are_deterministic_for_a_seed():

@@ -129,6 +129,15 @@ def test_same_seed_same_run_and_the_run_looks_like_a_bench_run():
     assert {"workload", "mode", "label", "rate", "seed", "summary", "records", "duration"} <= set(a)
 
 
+def test_a_simulated_phases_run_is_reported_per_phase_as_a_real_one():
+    s = ex.Settings(None, 30.0, 1.0, 3, True, None, None, None, 4000.0, 300.0, False, ("chat", "generate"))
+    run = sim_once(profile(num_blocks=1024), "phases", "colocated", ex.parse_mode("colocated")[1], 1.0, s, 2)
+    assert run["phase_names"] == ["chat", "generate"] and run["phase_spans"] == [(0.0, 15.0), (15.0, 30.0)]
+    rows = run["phases"]
+    assert [r["name"] for r in rows] == ["chat", "generate", "overall"]
+    assert rows[0]["requests"] + rows[1]["requests"] == rows[2]["requests"] == len(run["records"])
+
+
 def test_compare_grades_each_metric_against_its_target():
     real = {"summary": {"median_ttft_ms": 100.0, "p90_ttft_ms": 200.0, "request_throughput": 1.0}}
     sim = {"summary": {"median_ttft_ms": 109.0, "p90_ttft_ms": 250.0, "request_throughput": 0.8}}

@@ -35,6 +35,7 @@ class Settings:
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
     progress: bool = True
+    phases: tuple[str, ...] = PHASES  # the phases workload's
 
 
 def parse_modes(text: str) -> list[tuple[str, dict]]:
@@ -79,7 +80,7 @@ def parse_mode(item: str) -> tuple[str, dict]:
 def workload(name: str, rate: float, s: Settings, max_model_len: int) -> list[BenchRequest]:
     return make_workload(name, num_prompts=s.num_prompts, duration=s.duration, rate=rate, burstiness=s.burstiness,
                          seed=s.seed, quick=s.quick, input_len=s.input_len, output_len=s.output_len,
-                         max_model_len=max_model_len)  # fmt: skip
+                         max_model_len=max_model_len, phases=s.phases)  # fmt: skip
 
 
 class Interrupted(KeyboardInterrupt):
@@ -140,14 +141,11 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
     run["request_phases"] = [r.phase for r in requests]  # by request index; results.json puts it in each record
     sent = [r.send_time - requests[r.index].arrival for r in records if r.index < len(requests)]
     run["load_start"] = min(sent, default=started)  # epoch time of arrival offset 0 (the client's clock)
-    if name == "phases":
-        run["phase_names"] = list(PHASES)
-        run["phase_spans"] = phase_spans(requests, s.duration, rate)
     if auto:
         end = max((r.end_time or r.send_time for r in records), default=time.time())
         run["advisor"] = fetch_advisor(target, auto_since, end, run["load_start"])
     if name == "phases":
-        run["phases"] = ph.phase_rows(run)
+        add_phases(run, requests, s, rate)
     if switches:
         t0 = min((r.send_time for r in records), default=started)
         start_mode = {k: v for k, v in (started_in or {}).items() if k != "switch"} or body
@@ -160,6 +158,13 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
         run["interrupted"] = True
         raise Interrupted(run)
     return run
+
+
+def add_phases(run: dict, requests: list[BenchRequest], s: Settings, rate: float) -> None:
+    """A phases run's phase names, spans and per-phase rows (phases.phase_rows)."""
+    run["phase_names"] = list(s.phases)
+    run["phase_spans"] = phase_spans(requests, s.duration, rate, len(s.phases))
+    run["phases"] = ph.phase_rows(run)
 
 
 def fetch_advisor(target: Target, since: float, until: float, t0: float) -> dict:

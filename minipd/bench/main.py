@@ -26,9 +26,13 @@ def add_traffic_args(g) -> None:
     g.add_argument(
         "--workloads",
         default=None,
-        help="comma-separated: chat, summarize, mixed, fixed, phases (chat, then summarize, then chat: a third "
-        "of the run each; reported per phase) (default: chat; fixed when --input-len and --output-len are given)",
+        help="comma-separated: chat, summarize, generate, mixed, fixed, phases (chat, then summarize, then chat: "
+        "a third of the run each, or --phases; reported per phase) (default: chat; fixed when --input-len and "
+        "--output-len are given)",
     )
+    g.add_argument("--phases", default="chat,summarize,chat",
+                   help="the phases workload's phases, in order, each an equal share of the run: chat, summarize "
+                        "(long prompts, short replies) or generate (short prompts, long replies)")
     g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
     g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
     g.add_argument("--quick", action="store_true", help="lengths that fit a 2-core CPU (see minipd/bench/workloads.py)")
@@ -98,10 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--out", default="bench-out", help="folder for results.json, report.md and the plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
-    from minipd.bench.workloads import workload_names
+    from minipd.bench.workloads import parse_phases, workload_names
 
     try:
         args.workloads = ",".join(workload_names(args.workloads, args.input_len, args.output_len, "--workloads"))
+        args.phases = parse_phases(args.phases)
     except ValueError as err:
         ap.error(str(err))
     if args.num_prompts is None and args.duration is None:
@@ -150,7 +155,7 @@ def run(argv=None) -> int:
     links = [float(x) for x in args.kv_link_gbps.split(",")] if args.kv_link_gbps else []
     settings = ex.Settings(args.num_prompts, args.duration, args.burstiness, args.seed, args.quick, args.input_len,
                            args.output_len, args.max_concurrency, args.slo_ttft_ms, args.slo_tpot_ms,
-                           not args.no_progress)  # fmt: skip
+                           not args.no_progress, args.phases)  # fmt: skip
     server = None
     if args.url:
         target = Target.probe(args.url, args.api_key)

@@ -16,21 +16,27 @@ summarize (long prompt, short reply, as DistServe's LongBench summarization work
     of 2,113 (MultiNews), 8,734 (GovReport) and 10,614 (QMSum) words, and its generation cap for
     GovReport/QMSum is 512 new tokens (config/dataset2maxlen.json). Full size here: input median
     3000 tokens (sigma 0.5, clipped to 1024..8192), output median 150 (sigma 0.4, clipped to 32..512).
+generate (short prompt, long reply: writing, code generation)
+    Synthetic, from no published dataset: prompts of median 100 tokens (sigma 0.5, 16..512), replies
+    of median 800 (sigma 0.3, 256..2048). Decode-heavy: it rewards decode capacity, where summarize
+    rewards prompt-reading capacity.
 mixed
     Each request is a summarize request with probability MIXED_SUMMARIZE_FRACTION, else chat.
 fixed
     Every request has the given input_len and output_len.
 phases
-    Traffic that changes phase: the run is cut into three equal parts (PHASES): chat, then summarize
-    (long documents: long prompts, short replies), then chat again. Each phase has arrivals of its own
-    at the run's rate and lengths drawn as its workload's, from random streams of its own; each
-    request carries its phase's index (0, 1, 2). With a duration each phase lasts a third of it; with
-    num_prompts alone each has a third of the requests and starts one mean gap after the last
-    request of the one before (phase_spans gives the spans either way).
+    Traffic that changes phase: the run is cut into equal parts, by default three (PHASES): chat, then
+    summarize (long documents: long prompts, short replies), then chat again; `phases=` (bench's
+    --phases) names others, from PHASE_KINDS. Each phase has arrivals of its own at the run's rate and
+    lengths drawn as its workload's, from random streams of its own; each request carries its
+    phase's index (0, 1, 2, ...). With a duration each phase lasts its share of it; with num_prompts
+    alone each has its share of the requests and starts one mean gap after the last request of the
+    one before (phase_spans gives the spans either way).
 
 `quick=True` scales lengths down so one request takes seconds on a 2-core CPU with a 135M model:
 chat prompts 50..300 (median 120), replies 16..64 (median 32); summarize prompts 600..1500
-(median 1000), replies 16..32 (median 24).
+(median 1000), replies 16..32 (median 24); generate prompts 16..128 (median 40), replies 48..192
+(median 96).
 
 Arrivals follow vLLM's `benchmark_serving`: gamma inter-arrival times with shape = burstiness and
 scale = 1 / (rate * burstiness) (burstiness 1 is a Poisson process); rate = inf sends everything at
@@ -45,8 +51,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("chat", "summarize", "mixed", "fixed", "phases")
-PHASES = ("chat", "summarize", "chat")  # the phases workload's phases, in order, each a third of the run
+WORKLOADS = ("chat", "summarize", "generate", "mixed", "fixed", "phases")
+PHASES = ("chat", "summarize", "chat")  # the phases workload's default phases, in order, each a third of the run
+PHASE_KINDS = ("chat", "summarize", "generate")  # what a phase can be
 MIXED_SUMMARIZE_FRACTION = 0.2
 VLLM_SHAREGPT_MAX_TOTAL = 2048  # vLLM keeps ShareGPT pairs with prompt + output <= 2048
 
@@ -86,6 +93,8 @@ LENGTHS: dict[tuple[str, bool], tuple[LengthDist, LengthDist]] = {
     ("summarize", False): (LengthDist(3000, 0.5, 1024, 8192), LengthDist(150, 0.4, 32, 512)),
     ("chat", True): (LengthDist(120, 0.5, 50, 300), LengthDist(32, 0.4, 16, 64)),
     ("summarize", True): (LengthDist(1000, 0.3, 600, 1500), LengthDist(24, 0.25, 16, 32)),
+    ("generate", False): (LengthDist(100, 0.5, 16, 512), LengthDist(800, 0.3, 256, 2048)),
+    ("generate", True): (LengthDist(40, 0.5, 16, 128), LengthDist(96, 0.3, 48, 192)),
 }  # fmt: skip
 
 
@@ -165,12 +174,13 @@ def make_workload(
     input_len: int | None = None,
     output_len: int | None = None,
     max_model_len: int = 8192,
+    phases: tuple[str, ...] = PHASES,
 ) -> list[BenchRequest]:
     """The requests of one run, sorted by arrival; bounded by `num_prompts`, `duration` or both."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if name == "phases":
-        return _phases(num_prompts, duration, rate, burstiness, seed, quick, max_model_len)
+        return _phases(num_prompts, duration, rate, burstiness, seed, quick, max_model_len, phases)
     arrivals = arrival_times(
         np.random.default_rng([seed, 3]), rate=rate, burstiness=burstiness, num_prompts=num_prompts, duration=duration
     )
@@ -179,6 +189,10 @@ def make_workload(
         if input_len is None or output_len is None or input_len < 1 or output_len < 1:
             raise ValueError("the fixed workload needs input_len >= 1 and output_len >= 1")
         prompts, outputs = np.full(n, input_len), np.full(n, output_len)
+    elif name == "generate":
+        gen_in, gen_out = LENGTHS[("generate", quick)]
+        prompts = gen_in.sample(np.random.default_rng([seed, 0]), n)
+        outputs = gen_out.sample(np.random.default_rng([seed, 1]), n)
     else:
         in_rng, out_rng = np.random.default_rng([seed, 0]), np.random.default_rng([seed, 1])
         chat_in, chat_out = LENGTHS[("chat", quick)]
@@ -199,16 +213,29 @@ def make_workload(
     return out
 
 
+def parse_phases(text: str | None) -> tuple[str, ...]:
+    """'chat,generate,chat' -> its phases; ValueError names a bad one."""
+    if not text:
+        return PHASES
+    kinds = tuple(x.strip() for x in text.split(","))
+    for kind in kinds:
+        if kind not in PHASE_KINDS:
+            raise ValueError(f"--phases: unknown phase {kind!r}; each is one of {', '.join(PHASE_KINDS)}")
+    if len(kinds) < 2:
+        raise ValueError("--phases needs at least two phases (e.g. chat,generate,chat)")
+    return kinds
+
+
 def _phases(num_prompts: int | None, duration: float | None, rate: float, burstiness: float, seed: int,
-            quick: bool, max_model_len: int) -> list[BenchRequest]:  # fmt: skip
-    """The phases workload (see the module's docstring): PHASES one after the other."""
+            quick: bool, max_model_len: int, kinds: tuple[str, ...] = PHASES) -> list[BenchRequest]:  # fmt: skip
+    """The phases workload (see the module's docstring): its phases one after the other."""
     if num_prompts is None and duration is None:
         raise ValueError("give num_prompts or duration")
-    k = len(PHASES)
+    k = len(kinds)
     counts = [num_prompts // k + (i < num_prompts % k) for i in range(k)] if duration is None else [None] * k
     out: list[BenchRequest] = []
     start = 0.0
-    for phase, kind in enumerate(PHASES):
+    for phase, kind in enumerate(kinds):
         arrivals = arrival_times(np.random.default_rng([seed, 3, 100 + phase]), rate=rate, burstiness=burstiness,
                                  num_prompts=counts[phase], duration=None if duration is None else duration / k)  # fmt: skip
         n = len(arrivals)
@@ -227,11 +254,12 @@ def _phases(num_prompts: int | None, duration: float | None, rate: float, bursti
     return out[:num_prompts] if num_prompts is not None else out
 
 
-def phase_spans(requests: list[BenchRequest], duration: float | None, rate: float) -> list[tuple[float, float]]:
+def phase_spans(requests: list[BenchRequest], duration: float | None, rate: float,
+                num_phases: int = len(PHASES)) -> list[tuple[float, float]]:  # fmt: skip
     """(start, end) in seconds after the run's start of each phase of a phases workload's `requests`.
-    With a duration: equal thirds of it. Else each phase from its first arrival to the next phase's
+    With a duration: equal shares of it. Else each phase from its first arrival to the next phase's
     (the last one to its last arrival plus one mean gap at `rate`)."""
-    k = len(PHASES)
+    k = num_phases
     if duration is not None:
         return [(i * duration / k, (i + 1) * duration / k) for i in range(k)]
     firsts: list[float | None] = [min((r.arrival for r in requests if r.phase == i), default=None) for i in range(k)]

@@ -62,10 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--out", default="sim-out", help="folder for results.json, report.md and the plots")
     args = ap.parse_args(argv)
     from minipd.bench.experiment import parse_modes
-    from minipd.bench.workloads import workload_names
+    from minipd.bench.workloads import parse_phases, workload_names
 
     try:
         args.workloads = ",".join(workload_names(args.workloads, args.input_len, args.output_len, "--workloads"))
+        args.phases = parse_phases(args.phases)
         args.mode_list = parse_modes(args.modes)
     except ValueError as err:
         ap.error(str(err))
@@ -119,7 +120,8 @@ def run(argv=None) -> int:
     transport = args.kv_transport or next(iter(profile.links), "shm")
     options = Options(transport, trace=args.trace)
     settings = ex.Settings(args.num_prompts, args.duration, args.burstiness, args.seed, args.quick, args.input_len,
-                           args.output_len, None, args.slo_ttft_ms, args.slo_tpot_ms, False)  # fmt: skip
+                           args.output_len, None, args.slo_ttft_ms, args.slo_tpot_ms, False,
+                           args.phases)  # fmt: skip
     if args.fleet_sizes or args.fleet_link_gbps:
         return fleet(args, profile, settings)
     rates = [float(r) for r in args.rates.split(",")]

@@ -44,6 +44,8 @@ def sim_once(profile: Profile, name: str, label: str, body: dict, rate: float, s
     run["summary"] = summarize(records, duration, s.slo_ttft_ms, s.slo_tpot_ms)
     run["request_phases"] = [r.phase for r in requests]
     run["load_start"] = 0.0
+    if name == "phases":
+        ex.add_phases(run, requests, s, rate)
     if sim.events is not None:
         run["events"] = sim.events
     return run
