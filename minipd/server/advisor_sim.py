@@ -17,7 +17,7 @@ from minipd.bench.metrics import RequestRecord
 from minipd.bench.workloads import BenchRequest
 from minipd.server.modes import Mode
 from minipd.sim.cluster import Options, simulate
-from minipd.sim.profile import Host, Link, Profile, WorkerShape, co_busy, fit_link, fit_steps
+from minipd.sim.profile import Host, Link, Profile, WorkerShape, fit_link, fit_steps, loop_gap
 
 MIN_STEPS = 3  # of each kind (steps that read prompt tokens; steps that only decode) before a fit
 MAX_REPLAYED = 400  # requests replayed per candidate (the latest ones): bounds a decision's cost
@@ -34,27 +34,20 @@ class Arrival:
 def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: WorkerShape,
                  transport: str) -> tuple[Profile, dict] | None:  # fmt: skip
     """A profile from live step events ({worker, time, end, prefill_tokens, prefill_attention,
-    decodes, decode_context}). Under load the workers rarely step alone, so when too few did, the
-    linear terms are fitted on every step and carry the co-runners' average slowdown themselves
-    (co_runner 0). None until both kinds of step were seen."""
+    decodes, decode_context}). Under live traffic the workers seldom step alone, and the steps that
+    do are not a fair sample (a prompt read alone is rare), so the co-runner split of `fit_steps`
+    does not hold: the terms are fitted on every step as it ran, and carry the co-runners' average
+    slowdown themselves (co_runner 0). None until both kinds of step were seen."""
     reading = sum(1 for s in steps if s["prefill_tokens"])
     decoding = sum(1 for s in steps if s["decodes"] and not s["prefill_tokens"])
     if reading < MIN_STEPS or decoding < MIN_STEPS:
         return None
-    steps = [dict(s) for s in steps]
-    co_busy(steps)
-    try:
-        cost, quality = fit_steps(steps)
-    except ValueError:
-        for s in steps:
-            s["co_busy"] = 0.0
-        cost, quality = fit_steps(steps)
-        quality["co_runner"] = "folded into the terms (too few steps ran alone)"
+    cost, quality = fit_steps([dict(s, co_busy=0.0) for s in steps])
+    cost.gap = loop_gap(steps)
     links = {transport: fit_link(transfers, blocks_writer=transport == "shm")} if transfers else {}
     if not links:  # no handoff measured yet: moving KV is taken as free
         links = {transport: Link(0.0, float("inf"))}
-    profile = Profile(cost, shape, links, Host(), "measured (live steps)", {"step_fit": quality})
-    return profile, quality
+    return Profile(cost, shape, links, Host(), "measured (live steps)", {"step_fit": quality}), quality
 
 
 def replay(profile: Profile, arrivals: list[Arrival], mode: Mode, num_workers: int, since: float,

@@ -16,9 +16,7 @@ from minipd.bench.metrics import RequestRecord
 from minipd.bench.plan import _steps_since
 from minipd.bench.target import Target
 from minipd.bench.workloads import BenchRequest
-from minipd.sim.profile import Host, Profile, WorkerShape, co_busy, fit_link, fit_steps, quantiles
-
-GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work): the gap is its loop
+from minipd.sim.profile import Host, Profile, WorkerShape, co_busy, fit_link, fit_steps, loop_gap, quantiles
 
 
 def _load(target: Target, requests: list[BenchRequest], seed: int, concurrency: int | None = None):
@@ -93,7 +91,7 @@ def build(target: Target, steps: list[dict], records: list[RequestRecord], trans
     steps = [s for s in steps if "prefill_attention" in s]
     co_busy(steps)
     cost, quality = fit_steps(steps)
-    cost.gap = _loop_gap(steps)
+    cost.gap = loop_gap(steps)
     _, workers = target.get("/admin/workers")
     w0 = workers["workers"][0]
     shape = WorkerShape(num_blocks=w0["kv_blocks_total"], block_size=w0.get("kv_block_size") or 16,
@@ -111,17 +109,6 @@ def build(target: Target, steps: list[dict], records: list[RequestRecord], trans
                                             "decode_context", "co_busy")} for s in steps],
               "transfers": transfers}  # fmt: skip
     return Profile(cost, shape, links, host, "measured", about, points)
-
-
-def _loop_gap(steps: list[dict]) -> float:
-    by_worker = defaultdict(list)
-    for s in steps:
-        by_worker[s["worker"]].append(s)
-    gaps = []
-    for ws in by_worker.values():
-        ws.sort(key=lambda s: s["time"])
-        gaps += [b["time"] - a["end"] for a, b in zip(ws, ws[1:]) if 0 <= b["time"] - a["end"] < GAP_CAP_S]
-    return _median(gaps)
 
 
 def _token_delays(steps: list[dict], records: list[RequestRecord]) -> list[float]:

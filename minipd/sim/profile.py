@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 FORMAT = 1
+GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work)
 TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode")
 
 
@@ -185,6 +186,19 @@ def co_busy(steps: list[dict]) -> None:
                     break
                 total += max(0.0, min(b, s["end"]) - max(a, s["time"]))
         s["co_busy"] = total / (others * (s["end"] - s["time"]))
+
+
+def loop_gap(steps: list[dict], cap_s: float = GAP_CAP_S) -> float:
+    """The median time between a worker's two steps when they ran back to back (closer than cap_s:
+    the worker had work, so the gap is its own loop: messages, sending tokens)."""
+    by_worker: dict = {}
+    for s in steps:
+        by_worker.setdefault(s["worker"], []).append((s["time"], s["end"]))
+    gaps = []
+    for spans in by_worker.values():
+        spans.sort()
+        gaps += [b[0] - a[1] for a, b in zip(spans, spans[1:]) if 0 <= b[0] - a[1] < cap_s]
+    return float(np.median(gaps)) if gaps else 0.0
 
 
 def quantiles(values, n: int = 21) -> list[float]:
