@@ -224,3 +224,51 @@ def test_a_move_that_outlives_its_lease_is_redone_and_leaves_no_block():
         causes = [x["cause"] for t in timelines for x in t["redos"]]
         assert any("within 1.5 s" in c for c in causes), causes  # the writer's lease or the router's, whichever ends first
         wait_for_idle_workers(server, 30)
+
+
+def _crowd_then_resume(server) -> tuple[list[dict], list[dict]]:
+    """Drain worker 1, stream PROMPTS (all on worker 0), resume worker 1 once each has 5 tokens."""
+    assert server.post("/admin/workers/1/drain", {})[0] == 200
+
+    async def go():
+        counts = [0] * len(PROMPTS)
+        ready = asyncio.Event()
+
+        def count(i):
+            counts[i] += 1
+            if min(counts) >= 5:
+                ready.set()
+
+        run = asyncio.ensure_future(stream_completions(server.url, PROMPTS, MAX_TOKENS, count))
+        await asyncio.wait_for(ready.wait(), 60)
+        status, _ = await asyncio.get_running_loop().run_in_executor(None, server.post, "/admin/workers/1/resume", {})
+        assert status == 200
+        return await run
+
+    results = asyncio.run(go())
+    return results, [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in results]
+
+
+def test_rebalancing_moves_replies_to_a_worker_that_came_back_empty():
+    """Worker 1 is drained, so every reply starts on worker 0; it is resumed while they stream. With
+    --rebalance-ratio the crowded worker hands half its replies (those with the most left to make)
+    to the empty one at a token boundary, and every text is the one of a run that never moved."""
+    with serving(*TINY, "--rebalance-ratio", "1.5", "--rebalance-interval", "0.1") as server:
+        want = texts(asyncio.run(stream_completions(server.url, PROMPTS, MAX_TOKENS)))
+        assert server.get("/admin/mode")[1]["rebalance"] == {"ratio": 1.5, "interval_s": 0.1, "rounds": 0}
+        results, timelines = _crowd_then_resume(server)
+        assert texts(results) == want
+        moved = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
+        assert 1 <= len(moved) <= len(PROMPTS) // 2, moved
+        assert all(mv["outcome"] == "moved" and mv["source"] == 0 and mv["target"] == 1 for mv in moved), moved
+        assert not any(t["redos"] for t in timelines), "a reply was redone instead of moved"
+        assert server.get("/admin/mode")[1]["rebalance"]["rounds"] >= 1
+        wait_for_idle_workers(server, 20)
+
+
+def test_without_rebalancing_a_worker_that_came_back_stays_empty_until_new_requests():
+    with serving(*TINY) as server:
+        assert "rebalance" not in server.get("/admin/mode")[1]
+        results, timelines = _crowd_then_resume(server)
+        texts(results)
+        assert all(not t["moves"] and t["decode_worker"] == 0 for t in timelines)

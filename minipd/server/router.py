@@ -20,6 +20,7 @@ from minipd.server.events import EventLog
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode, ModeSwitcher
 from minipd.server.moves import Mover
+from minipd.server.rebalance import Rebalancer
 from minipd.server.relay import Relay
 from minipd.server.request_state import Delta, Placement, RequestState
 from minipd.server.seats import SeatBroker
@@ -62,6 +63,7 @@ class Router:
         self.switcher = ModeSwitcher(self, switch_drain_timeout)
         self.mover = Mover(self)
         self.advisor = Advisor(self)  # `--mode auto` turns it on
+        self.rebalancer = Rebalancer(self)  # `--rebalance-ratio` turns it on
         self.serving = asyncio.Event()  # cleared while the mode switches
         self.workers_changed = asyncio.Event()
         self.accepting = True
@@ -352,6 +354,9 @@ class Router:
         extra = {"last_switch": self.switcher.last} if self.switcher.last is not None else {}
         if self.advisor.enabled:
             extra["auto"] = True
+        if self.rebalancer.enabled:
+            extra["rebalance"] = {"ratio": self.rebalancer.ratio, "interval_s": self.rebalancer.interval_s,
+                                  "rounds": self.rebalancer.rounds}  # fmt: skip
         if not self.ready:
             return {**(self.target or self.mode).as_dict(), "starting": True}
         if self.target is not None:
