@@ -255,14 +255,17 @@ def test_rebalancing_moves_replies_to_a_worker_that_came_back_empty():
     to the empty one at a token boundary, and every text is the one of a run that never moved."""
     with serving(*TINY, "--rebalance-ratio", "1.5", "--rebalance-interval", "0.1") as server:
         want = texts(asyncio.run(stream_completions(server.url, PROMPTS, MAX_TOKENS)))
-        assert server.get("/admin/mode")[1]["rebalance"] == {"ratio": 1.5, "interval_s": 0.1, "rounds": 0}
+        shown = server.get("/admin/mode")[1]["rebalance"]
+        assert shown["ratio"] == 1.5 and shown["interval_s"] == 0.1
+        rounds = shown["rounds"]  # replies ending unevenly may already have moved some
         results, timelines = _crowd_then_resume(server)
         assert texts(results) == want
         moved = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
-        assert 1 <= len(moved) <= len(PROMPTS) // 2, moved
+        assert len(moved) >= len(PROMPTS) // 2, moved  # at least the first round: half of them
         assert all(mv["outcome"] == "moved" and mv["source"] == 0 and mv["target"] == 1 for mv in moved), moved
+        assert all(sum(mv["reason"] == "rebalance" for mv in t["moves"]) <= 1 for t in timelines)  # once at most
         assert not any(t["redos"] for t in timelines), "a reply was redone instead of moved"
-        assert server.get("/admin/mode")[1]["rebalance"]["rounds"] >= 1
+        assert server.get("/admin/mode")[1]["rebalance"]["rounds"] >= rounds + 1
         wait_for_idle_workers(server, 20)
 
 

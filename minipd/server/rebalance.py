@@ -7,7 +7,8 @@ crowded worker run slower until they end. Every `interval_s` the rebalancer comp
 settled on each worker that can decode; when the most crowded holds more than `ratio` times the
 emptiest's (and at least `min_gap` more), it moves replies from it at their next token boundary
 (server/moves.py), those with the most tokens still to make first (and at least `min_tokens_left`:
-a reply about to end is not worth its move), until the two would be even.
+a reply about to end is not worth its move; a reply moves for balance once at most), until the
+two would be even.
 Nothing moves while a mode switch or another move is under way."""
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Rebalancer:
         if hi - lo < self.min_gap or hi <= self.ratio * lo:
             return crowded, emptiest, []
         decoding_there = [s for s in settled[crowded] if s.output_token_ids  # one reading its prompt stays
-                          and s.params.max_tokens - len(s.output_token_ids) >= self.min_tokens_left]  # fmt: skip
+                          and s.params.max_tokens - len(s.output_token_ids) >= self.min_tokens_left
+                          and not any(mv["reason"] == "rebalance" for mv in s.moves)]  # moved once: no ping-pong  # fmt: skip
         to_make = sorted(decoding_there, key=lambda s: len(s.output_token_ids) - s.params.max_tokens)
         return crowded, emptiest, to_make[: (hi - lo) // 2]
 
