@@ -215,3 +215,73 @@ def test_the_live_fit_holds_when_prompts_are_never_read_alone():
     for n in (100, 250, 450):  # what a prompt read costs, as the replay will take it
         assert profile.step.prefill_seconds(n) == pytest.approx(true_seconds(n, 0, 0), rel=0.05), profile.step
     assert quality["median_abs_rel_error"] < 0.05, quality
+
+
+def test_a_local_prefill_threshold_that_moves_with_the_prompts_still_counts_as_the_same_choice():
+    """Defect (seen on the default model): the threshold is a quantile of each window's prompts, so
+    'disagg local<222' one window and 'disagg local<272' the next never matched, and the advisor
+    waited window after window for a choice it had made twice."""
+    router, a = advisor_with(model="sim")
+    now = time.time()
+
+    def canned(threshold):
+        def predict(snap, entry):
+            here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": 0.4, "slo_margin": 0.8}
+            local = Mode("disagg", 1, 1, local_prefill_tokens=threshold)
+            best = {"label": f"disagg:1p1d local<{threshold}", "mode": {"name": "disagg", "prefill_workers": 1,
+                    "decode_workers": 1, "local_prefill_tokens": threshold}, "goodput": 0.8, "slo_margin": 1.2}  # fmt: skip
+            assert Mode(**best["mode"]) == local
+            entry.update(traffic={"rate": 1.0}, predictions=[here, best])
+            return entry
+
+        return predict
+
+    feed(a, now, 2.0, 100, 20, 10.0)
+    a._predict = canned(222)
+    assert a.decide(now)["decision"].startswith("wait")
+    feed(a, now + 10, 2.0, 100, 20, 10.0)
+    a._predict = canned(272)
+    second = a.decide(now + 10)
+    assert second["switch_to"] is not None and second["switch_to"]["local_prefill_tokens"] == 272, second["decision"]
+    assert "0.40 -> 0.80 req/s" in second["decision"]
+
+
+def test_the_current_mode_behind_twice_switches_even_when_the_leader_changed():
+    """Defect (seen on the default model): after disagg fell behind in a decode-heavy phase, the lead
+    went colocated, then chunked:256 (near-equal), and the advisor waited a third window because
+    the leader was not the same twice."""
+    router, a = advisor_with(model="sim")
+    now = time.time()
+
+    def canned(leader: dict):
+        def predict(snap, entry):
+            here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": 0.1, "slo_margin": 0.5}
+            entry.update(traffic={"rate": 1.0}, predictions=[here, leader])
+            return entry
+
+        return predict
+
+    chunked = {"label": "chunked:256", "mode": {"name": "chunked", "chunk_tokens": 256}, "goodput": 1.0,
+               "slo_margin": 1.1}  # fmt: skip
+    disagg = {"label": "disagg:1p1d", "mode": {"name": "disagg"}, "goodput": 0.9, "slo_margin": 1.0}
+    feed(a, now, 2.0, 100, 20, 10.0)
+    a._predict = canned(disagg)
+    assert a.decide(now)["decision"].startswith("wait")
+    feed(a, now + 10, 2.0, 100, 20, 10.0)
+    a._predict = canned(chunked)
+    second = a.decide(now + 10)
+    assert second["switch_to"] is not None and second["switch_to"]["name"] == "chunked", second["decision"]
+    a._predict = canned({**chunked, "goodput": 0.105})  # within min_gain of the current mode: no longer behind
+    feed(a, now + 20, 2.0, 100, 20, 10.0)
+    assert a.decide(now + 20)["decision"].startswith("stay")
+
+
+def test_auto_rebalances_unless_told_otherwise():
+    """A switch from disagg leaves the old decode worker holding every reply; while `auto` is on the
+    rebalancer moves half of them unless --rebalance-ratio says otherwise."""
+    router, a = advisor_with(model="sim")
+    assert router.rebalancer.ratio == 0 and not router.rebalancer.enabled
+    a.enabled = True
+    assert router.rebalancer.ratio == 2.0 and router.rebalancer.enabled
+    router.rebalancer.chosen_ratio = 0.0  # --rebalance-ratio 0: off, auto or not
+    assert not router.rebalancer.enabled

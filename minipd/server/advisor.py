@@ -1,8 +1,8 @@
 """`--mode auto`: every window the advisor takes the traffic it measured (each request's arrival,
 prompt and reply length) and the step times the workers reported, predicts each candidate mode's
-goodput under the configured SLOs, and switches live when the best candidate beats the current
-mode by more than `min_gain`, and was the best the window before as well (hysteresis: a single
-noisy window does not flip the mode).
+goodput under the configured SLOs, and switches live to the best candidate when it beats the
+current mode by more than `min_gain` and the current mode was predicted behind by that much the
+window before as well (hysteresis: a single noisy window does not flip the mode).
 
 Two models predict (`model`):
 - "sim" (the default): the workers' own steps fitted into a step profile, and the window's requests
@@ -89,7 +89,7 @@ class Advisor:
         self.by_key: dict[str, Arrival] = {}
         self.outputs: deque[int] = deque(maxlen=KEPT_STEPS)  # reply lengths of the requests that finished
         self.entries: deque[dict] = deque(maxlen=KEPT_ENTRIES)
-        self.last_best: str | None = None
+        self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
         self.task: asyncio.Task | None = None
 
     # ---- what the router reports ----------------------------------------------------------------
@@ -217,17 +217,22 @@ class Advisor:
         rate = entry["traffic"]["rate"]
         gain = (best["goodput"] - here["goodput"]) / max(here["goodput"], 1e-3 * rate)
         entry.update(best=best["label"], predicted_gain=gain)
-        steady = self.last_best == best["label"]
-        self.last_best = best["label"]
+        change = f"{here['goodput']:.2f} -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here["goodput"] > 0 else "")
+        behind = best["goodput"] > here["goodput"] and best["label"] != here["label"] and gain > cfg.min_gain
+        # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
+        # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
+        self.behind = self.behind + 1 if behind else 0
         if best["goodput"] <= here["goodput"] or best["label"] == here["label"]:
             entry["decision"] = f"stay: {here['label']} is predicted best"
-        elif gain <= cfg.min_gain:
-            entry["decision"] = f"stay: {best['label']} is predicted only {gain:+.0%} (threshold {cfg.min_gain:.0%})"
-        elif not steady:
-            entry["decision"] = f"wait: {best['label']} is predicted {gain:+.0%}; switching if it is best again"
+        elif not behind:
+            entry["decision"] = f"stay: {best['label']} is predicted only {change} (threshold {cfg.min_gain:.0%})"
+        elif self.behind < 2:
+            entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
+                                 "predicted behind again")  # fmt: skip
         else:
-            entry["decision"] = f"switch to {best['label']}: predicted goodput {gain:+.0%}"
+            entry["decision"] = f"switch to {best['label']}: predicted goodput {change}"
             entry["switch_to"] = best["mode"]
+            self.behind = 0
         return self._publish(entry)
 
     def _publish(self, entry: dict) -> dict:

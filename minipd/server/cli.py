@@ -61,9 +61,10 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--advisor-profile", metavar="FILE",
                    help="auto with --advisor-model sim: step times from a profile measured by `python -m minipd "
                         "profile` instead of fitted live")
-    g.add_argument("--rebalance-ratio", type=float, default=0.0,
+    g.add_argument("--rebalance-ratio", type=float, default=None,
                    help="move running replies from a worker that decodes more than this many times the replies of "
-                        "the emptiest one (and at least 4 more) to it, at a token boundary; 0: off")
+                        "the emptiest one (and at least 4 more) to it, at a token boundary; 0: off (none: off, "
+                        "but 2 while auto is on)")
     g.add_argument("--rebalance-interval", type=float, default=1.0, help="seconds between two rebalancing checks")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="auto: the TTFT SLO the advisor plans for")
     g.add_argument("--slo-tpot-ms", type=float, default=100.0, help="auto: the TPOT SLO the advisor plans for")
@@ -174,7 +175,7 @@ def preflight(args) -> tuple[list[dict], object]:
     if (args.kv_transport, args.device) in (("shm", "cuda"), ("cuda-ipc", "cpu")):
         raise UserError(f"--kv-transport {args.kv_transport} does not work with --device {args.device}; "
                         "use shm on cpu, cuda-ipc on cuda, or tcp on either")  # fmt: skip
-    if args.rebalance_ratio < 0 or args.rebalance_interval <= 0:
+    if (args.rebalance_ratio or 0) < 0 or args.rebalance_interval <= 0:
         raise UserError("--rebalance-ratio must be >= 0 (0: off) and --rebalance-interval > 0")
     if args.quantization == "int8" and args.device != "cpu":
         raise UserError(f"--quantization int8 runs on cpu only (its int8 matmul is untested on --device {args.device})")
@@ -339,7 +340,7 @@ def build_router(args, pool, tokenizer, metrics, mode):
     router.advisor.config = AdvisorConfig(args.advisor_window, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
                                           args.advisor_min_gain, model=args.advisor_model,
                                           profile=getattr(args, "advisor_step_profile", None))  # fmt: skip
-    router.rebalancer.ratio, router.rebalancer.interval_s = args.rebalance_ratio, args.rebalance_interval
+    router.rebalancer.chosen_ratio, router.rebalancer.interval_s = args.rebalance_ratio, args.rebalance_interval
     return router
 
 

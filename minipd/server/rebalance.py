@@ -1,4 +1,5 @@
-"""Rebalancing between the workers that decode (off by default; `serve --rebalance-ratio R`).
+"""Rebalancing between the workers that decode (off by default, `serve --rebalance-ratio R`; on at
+AUTO_RATIO while `auto` is, unless a ratio was given).
 
 The router places each request on the least loaded worker, but loads drift apart: replies of very
 different lengths end unevenly, and a worker that was drained or restarted comes back empty while
@@ -18,28 +19,38 @@ import logging
 import time
 
 log = logging.getLogger("minipd.rebalance")
+AUTO_RATIO = 2.0  # `auto` switches leave the old decode workers holding every reply: it rebalances unless told
 
 
 class Rebalancer:
-    def __init__(self, router, ratio: float = 0.0, interval_s: float = 1.0, min_gap: int = 4,
+    def __init__(self, router, ratio: float | None = None, interval_s: float = 1.0, min_gap: int = 4,
                  min_tokens_left: int = 32):  # fmt: skip
         self.router = router
-        self.ratio, self.interval_s, self.min_gap = ratio, interval_s, min_gap
+        self.chosen_ratio = ratio  # None: off, but AUTO_RATIO while the advisor (`auto`) is on
+        self.interval_s, self.min_gap = interval_s, min_gap
         self.min_tokens_left = min_tokens_left  # a reply about to end is not worth its move
         self.rounds = 0  # rounds that moved something
         self.task: asyncio.Task | None = None
+
+    @property
+    def ratio(self) -> float:
+        if self.chosen_ratio is not None:
+            return self.chosen_ratio
+        return AUTO_RATIO if self.router.advisor.enabled else 0.0
 
     @property
     def enabled(self) -> bool:
         return self.ratio > 0
 
     def start(self) -> None:
-        if self.enabled and self.task is None:
+        if self.task is None:
             self.task = self.router.spawn(self._run())
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
+            if not self.enabled:
+                continue
             try:
                 await self.once()
             except Exception:
