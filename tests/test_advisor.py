@@ -285,3 +285,18 @@ def test_auto_rebalances_unless_told_otherwise():
     assert router.rebalancer.ratio == 2.0 and router.rebalancer.enabled
     router.rebalancer.chosen_ratio = 0.0  # --rebalance-ratio 0: off, auto or not
     assert not router.rebalancer.enabled
+
+
+def test_what_the_advisor_keeps_is_bounded_with_auto_off():
+    """Defect: every arrival and finished request was kept until a window was decided, and with auto
+    off none ever is: a long-running server's memory grew with every request."""
+    router = serving_router(FakePool(["both", "both"], num_blocks=1024))
+    a = router.advisor
+    a.config = AdvisorConfig(window_s=10.0)
+    t0 = 1000.0
+    for i in range(5000):
+        t = t0 + i * 0.1  # 500 s of traffic at 10 req/s
+        a.on_arrival(t, 50, 20, f"k{i}")
+        a.on_finished({"request_id": f"k{i}", "arrival": t, "events": {"finish": t + 0.05}, "prompt_tokens": 50,
+                       "output_tokens": 20, "ttft": 0.01, "tpot": 0.01, "finish_reason": "length"})  # fmt: skip
+    assert len(a.arrivals) <= 201 and len(a.finished) <= 101 and len(a.by_key) <= 201

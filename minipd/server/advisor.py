@@ -94,10 +94,11 @@ class Advisor:
 
     # ---- what the router reports ----------------------------------------------------------------
     def on_arrival(self, t: float, prompt_tokens: int, max_tokens: int | None, key: str | None = None) -> None:
-        a = Arrival(t, prompt_tokens, max_tokens)
+        a = Arrival(t, prompt_tokens, max_tokens, key=key)
         self.arrivals.append(a)
         if key is not None:
             self.by_key[key] = a
+        self._forget(t)
 
     def on_step(self, worker: int, start: float, end: float, prefill_tokens: int, decodes: int,
                 prefill_attention: int | None = None, decode_context: int = 0) -> None:  # fmt: skip
@@ -121,6 +122,15 @@ class Advisor:
         self.finished.append(Finished(timeline["arrival"], timeline["events"].get("finish", time.time()),
                                       timeline["prompt_tokens"], timeline["output_tokens"], timeline["ttft"],
                                       timeline["tpot"]))  # fmt: skip
+        self._forget(self.finished[-1].end)
+
+    def _forget(self, now: float) -> None:
+        """Keep two windows of arrivals and one of finished requests (bounded whether auto is on or not)."""
+        cutoff = now - 2 * self.config.window_s
+        while self.arrivals and self.arrivals[0].time < cutoff:
+            self.by_key.pop(self.arrivals.popleft().key, None)
+        while self.finished and self.finished[0].end < now - self.config.window_s:
+            self.finished.popleft()
 
     # ---- the loop -------------------------------------------------------------------------------
     def enable(self, on: bool = True) -> None:
@@ -154,10 +164,7 @@ class Advisor:
         """Measure the window that ended, and copy what the prediction needs (None: too little)."""
         cfg = self.config
         start = now - cfg.window_s
-        while self.arrivals and self.arrivals[0].time < now - 2 * cfg.window_s:
-            self.arrivals.popleft()
-        for key in [k for k, a in self.by_key.items() if a.time < now - 2 * cfg.window_s]:
-            del self.by_key[key]  # finished without telling us (a lost request): forgotten with the window
+        self._forget(now)
         window = [f for f in self.finished if f.end >= start]
         self.finished = deque(window)
         measured = self._measured(window)

@@ -29,6 +29,7 @@ class Arrival:
     prompt_tokens: int
     max_tokens: int | None
     output_tokens: int | None = None  # known once it finished
+    key: str | None = None
 
 
 def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: WorkerShape,
