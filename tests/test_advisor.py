@@ -299,4 +299,5 @@ def test_what_the_advisor_keeps_is_bounded_with_auto_off():
         a.on_arrival(t, 50, 20, f"k{i}")
         a.on_finished({"request_id": f"k{i}", "arrival": t, "events": {"finish": t + 0.05}, "prompt_tokens": 50,
                        "output_tokens": 20, "ttft": 0.01, "tpot": 0.01, "finish_reason": "length"})  # fmt: skip
-    assert len(a.arrivals) <= 201 and len(a.finished) <= 101 and len(a.by_key) <= 201
+    kept = 10 * (a.config.window_s + a.config.history_s) + 1
+    assert len(a.arrivals) <= kept and len(a.finished) <= 101 and len(a.by_key) <= kept

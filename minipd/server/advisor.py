@@ -44,6 +44,7 @@ GOODPUT_MEANING = {"sim": "predicted: the window's requests replayed in the simu
 @dataclass(slots=True)
 class AdvisorConfig:
     window_s: float = 30.0
+    history_s: float = 60.0  # "sim": arrivals before the window replayed too, for the load they left (a backlog)
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     min_gain: float = 0.1  # relative predicted-goodput gain a switch must promise
@@ -67,7 +68,7 @@ class Snapshot:
     """What one decision reads, copied on the event loop (the prediction runs in a thread)."""
 
     now: float
-    arrivals: list[Arrival]  # the last two windows' (the earlier one for the load it left)
+    arrivals: list[Arrival]  # the window's and history_s before it (for the load they left)
     steps: list[dict]
     transfers: list[tuple[int, float]]
     outputs: list[int]
@@ -125,8 +126,9 @@ class Advisor:
         self._forget(self.finished[-1].end)
 
     def _forget(self, now: float) -> None:
-        """Keep two windows of arrivals and one of finished requests (bounded whether auto is on or not)."""
-        cutoff = now - 2 * self.config.window_s
+        """Keep a window and its history of arrivals, and a window of finished requests (bounded whether
+        auto is on or not)."""
+        cutoff = now - self.config.window_s - self.config.history_s
         while self.arrivals and self.arrivals[0].time < cutoff:
             self.by_key.pop(self.arrivals.popleft().key, None)
         while self.finished and self.finished[0].end < now - self.config.window_s:
