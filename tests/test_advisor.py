@@ -96,8 +96,11 @@ def test_every_candidate_is_a_mode_the_server_accepts(model):
 @pytest.mark.slow
 def test_auto_on_a_real_server_records_decisions_with_their_measured_outcome():
     with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--mode", "auto",
-                 "--advisor-window", "1.5") as server:  # fmt: skip
+                 "--advisor-window", "1.5", "--slo-ttft-ms", "3000", "--slo-tpot-ms", "250") as server:  # fmt: skip
         assert server.get("/admin/mode")[1].get("auto") is True
+        said = server.get("/admin/advisor")[1]  # the flags reach the advisor (a field added once shifted them)
+        assert (said["window_s"], said["slo_ttft_s"], said["slo_tpot_s"], said["min_gain"]) == (1.5, 3.0, 0.25, 0.1)
+        assert said["model"] == "sim"
 
         async def traffic():
             for _ in range(4):

@@ -44,13 +44,13 @@ GOODPUT_MEANING = {"sim": "predicted: the window's requests replayed in the simu
 @dataclass(slots=True)
 class AdvisorConfig:
     window_s: float = 30.0
-    history_s: float = 60.0  # "sim": arrivals before the window replayed too, for the load they left (a backlog)
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     min_gain: float = 0.1  # relative predicted-goodput gain a switch must promise
     min_requests: int = 5  # fewer arrived in a window: no decision
     model: str = "sim"  # or "planner" (see the module's docstring)
     profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
+    history_s: float = 60.0  # "sim": arrivals before the window replayed too, for the load they left (a backlog)
 
 
 @dataclass(slots=True)

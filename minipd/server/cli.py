@@ -337,8 +337,9 @@ def build_router(args, pool, tokenizer, metrics, mode):
                     kv_transport=args.kv_transport, target=mode)  # fmt: skip
     from minipd.server.advisor import AdvisorConfig
 
-    router.advisor.config = AdvisorConfig(args.advisor_window, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3,
-                                          args.advisor_min_gain, model=args.advisor_model,
+    router.advisor.config = AdvisorConfig(window_s=args.advisor_window, slo_ttft_s=args.slo_ttft_ms / 1e3,
+                                          slo_tpot_s=args.slo_tpot_ms / 1e3, min_gain=args.advisor_min_gain,
+                                          model=args.advisor_model,
                                           profile=getattr(args, "advisor_step_profile", None))  # fmt: skip
     router.rebalancer.chosen_ratio, router.rebalancer.interval_s = args.rebalance_ratio, args.rebalance_interval
     return router
