@@ -19,9 +19,21 @@ import statistics
 import time
 
 import aiohttp
-from measure_switch import stream  # scripts/ is on the path when a script runs
 
 from minipd.bench.server_process import ServerProcess
+
+PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle. " * 3
+
+
+async def stream(session, url, model, i, times: list[float], ids: list, max_tokens: int):
+    body = {"model": model, "prompt": f"{i}. {PROMPT}", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                obj = json.loads(line[6:])
+                ids[i] = obj["id"]
+                times.append(time.time())
 
 
 async def crowd_then_resume(server, model, replies, max_tokens, after_tokens=3) -> dict:
