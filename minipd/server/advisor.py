@@ -36,7 +36,6 @@ log = logging.getLogger("minipd.advisor")
 KEPT_STEPS = 800  # the fits use the last ones (a quiet window keeps the older ones)
 KEPT_ENTRIES = 500
 CHUNK_CANDIDATES = (256, 512)
-MODELS = ("sim", "planner")
 GOODPUT_MEANING = {"sim": "predicted: the window's requests replayed in the simulator, those within both SLOs per second",
                    "planner": "predicted: the highest rate up to the offered one at which the model meets both SLOs"}  # fmt: skip
 
