@@ -54,6 +54,7 @@ def feed(a, now: float, rate: float, prompt: int, output: int, window: float) ->
 @pytest.mark.parametrize("model", ["sim", "planner"])
 def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows(model):
     router, a = advisor_with(model=model)
+    a.config.decisive_gain = float("inf")  # the hysteresis alone (colocated is predicted at ~0 here)
     now = time.time()
     feed(a, now, 1.5, 1000, 100, 10.0)
     first = a.decide(now)
@@ -258,7 +259,7 @@ def test_the_current_mode_behind_twice_switches_even_when_the_leader_changed():
 
     def canned(leader: dict):
         def predict(snap, entry):
-            here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": 0.1, "slo_margin": 0.5}
+            here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": 0.6, "slo_margin": 0.5}
             entry.update(traffic={"rate": 1.0}, predictions=[here, leader])
             return entry
 
@@ -274,7 +275,7 @@ def test_the_current_mode_behind_twice_switches_even_when_the_leader_changed():
     a._predict = canned(chunked)
     second = a.decide(now + 10)
     assert second["switch_to"] is not None and second["switch_to"]["name"] == "chunked", second["decision"]
-    a._predict = canned({**chunked, "goodput": 0.105})  # within min_gain of the current mode: no longer behind
+    a._predict = canned({**chunked, "goodput": 0.63})  # within min_gain of the current mode: no longer behind
     feed(a, now + 20, 2.0, 100, 20, 10.0)
     assert a.decide(now + 20)["decision"].startswith("stay")
 
@@ -304,3 +305,57 @@ def test_what_the_advisor_keeps_is_bounded_with_auto_off():
                        "output_tokens": 20, "ttft": 0.01, "tpot": 0.01, "finish_reason": "length"})  # fmt: skip
     kept = 10 * (a.config.window_s + a.config.history_s) + 1
     assert len(a.arrivals) <= kept and len(a.finished) <= 101 and len(a.by_key) <= kept
+
+
+def test_a_reply_still_running_is_replayed_at_least_as_long_as_it_already_is():
+    """Defect (seen on the default model, chat then generate): a reply still running was replayed as
+    long as the median finished reply, which in a phase of longer replies is shorter than what the
+    running ones had already made. The replay saw small decode batches and predicted disagg within
+    the TPOT SLO for 60 s while it met almost none."""
+    from types import SimpleNamespace
+
+    router, a = advisor_with(model="sim", slo_tpot=0.05)
+    now = time.time()
+    feed(a, now - 30, 2.0, 100, 20, 30.0)  # the chat phase before: short replies, all finished
+    for i in range(20):  # the window: longer replies, still running, each 150 tokens in so far
+        key = f"long{i}"
+        a.on_arrival(now - 10 + i * 0.5, 30, 400, key)
+        router.requests[key] = SimpleNamespace(output_token_ids=[0] * 150)
+    snap, _ = a._open(now)
+    running = [x for x in snap.arrivals if x.key and x.key.startswith("long")]
+    assert [x.generated for x in running] == [150] * 20
+    from minipd.server.advisor_sim import _reply_tokens
+
+    done = sorted(x.output_tokens for x in snap.arrivals if x.output_tokens is not None)
+    assert all(150 < _reply_tokens(x, done) <= 400 for x in running)
+    finished_long = [x for x in snap.arrivals if x.output_tokens is not None][:10]
+    for x in finished_long:  # finished replies longer than 150 tell how far the running ones go
+        x.output_tokens = 260
+    done = sorted(x.output_tokens for x in snap.arrivals if x.output_tokens is not None)
+    assert all(_reply_tokens(x, done) == 260 for x in running)
+
+
+def test_a_mode_predicted_to_do_less_than_half_as_well_is_left_after_one_window():
+    """Two windows of hysteresis cost the decode-heavy phase 20 s of replies missing the TPOT SLO
+    after the prediction already said disagg met almost none of them."""
+    router, a = advisor_with(model="sim")
+    now = time.time()
+
+    def canned(leader_goodput: float):
+        def predict(snap, entry):
+            here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": 0.4, "slo_margin": 0.5}
+            leader = {"label": "chunked:256", "mode": {"name": "chunked", "chunk_tokens": 256},
+                      "goodput": leader_goodput, "slo_margin": 1.1}  # fmt: skip
+            entry.update(traffic={"rate": 1.0}, predictions=[here, leader])
+            return entry
+
+        return predict
+
+    feed(a, now, 2.0, 100, 20, 10.0)
+    a._predict = canned(0.7)  # +75%: could be a noisy window, wait for a second one
+    assert a.decide(now)["decision"].startswith("wait")
+    a.behind = 0
+    feed(a, now + 10, 2.0, 100, 20, 10.0)
+    a._predict = canned(0.9)  # +125%: switch now
+    decided = a.decide(now + 10)
+    assert decided["switch_to"] is not None and decided["switch_to"]["name"] == "chunked", decided["decision"]

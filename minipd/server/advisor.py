@@ -2,7 +2,8 @@
 prompt and reply length) and the step times the workers reported, predicts each candidate mode's
 goodput under the configured SLOs, and switches live to the best candidate when it beats the
 current mode by more than `min_gain` and the current mode was predicted behind by that much the
-window before as well (hysteresis: a single noisy window does not flip the mode).
+window before as well (hysteresis: a single noisy window does not flip the mode), or at once when
+the gain passes `decisive_gain` (the current mode predicted to do less than half as well).
 
 Two models predict (`model`):
 - "sim" (the default): the workers' own steps fitted into a step profile, and the window's requests
@@ -46,6 +47,7 @@ class AdvisorConfig:
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
     min_gain: float = 0.1  # relative predicted-goodput gain a switch must promise
+    decisive_gain: float = 1.0  # a gain above this switches after one window instead of two
     min_requests: int = 5  # fewer arrived in a window: no decision
     model: str = "sim"  # or "planner" (see the module's docstring)
     profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
@@ -178,7 +180,12 @@ class Advisor:
         if len(arrived) < cfg.min_requests:
             entry["decision"] = "wait: too little traffic to predict"
             return None, entry
-        snap = Snapshot(now, [replace(a) for a in self.arrivals], list(self.steps), list(self.transfers),
+        arrivals = [replace(a) for a in self.arrivals]
+        for a in arrivals:
+            state = self.router.requests.get(a.key) if a.output_tokens is None else None
+            if state is not None:
+                a.generated = len(state.output_token_ids)
+        snap = Snapshot(now, arrivals, list(self.steps), list(self.transfers),
                         list(self.outputs), current, len(self.router.pool.workers), self._shape(),
                         getattr(self.router, "kv_transport", "shm"))  # fmt: skip
         return snap, entry
@@ -234,11 +241,12 @@ class Advisor:
             entry["decision"] = f"stay: {here['label']} is predicted best"
         elif not behind:
             entry["decision"] = f"stay: {best['label']} is predicted only {change} (threshold {cfg.min_gain:.0%})"
-        elif self.behind < 2:
+        elif self.behind < 2 and gain <= cfg.decisive_gain:
             entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
                                  "predicted behind again")  # fmt: skip
         else:
-            entry["decision"] = f"switch to {best['label']}: predicted goodput {change}"
+            entry["decision"] = f"switch to {best['label']}: predicted goodput {change}" + (
+                "" if self.behind >= 2 else f" (above {cfg.decisive_gain:.0%}: after one window)")
             entry["switch_to"] = best["mode"]
             self.behind = 0
         return self._publish(entry)

@@ -10,6 +10,7 @@ thread."""
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Arrival:
     max_tokens: int | None
     output_tokens: int | None = None  # known once it finished
     key: str | None = None
+    generated: int = 0  # tokens made so far, while it runs
 
 
 def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: WorkerShape,
@@ -61,7 +63,8 @@ def replay(profile: Profile, arrivals: list[Arrival], mode: Mode, num_workers: i
     if not arrivals:
         return score([], slo_ttft_s, slo_tpot_s, window_s)
     t0 = arrivals[0].time
-    requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, arrivals), a.time - t0)
+    done = sorted(a.output_tokens for a in arrivals if a.output_tokens is not None)
+    requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, done), a.time - t0)
                 for i, a in enumerate(arrivals)]  # fmt: skip
     records, _ = simulate(profile, requests, mode, num_workers, Options(transport=transport, seed=0))
     scored = [r for r, a in zip(records, arrivals) if a.time >= since]
@@ -76,14 +79,15 @@ def score(records: list[RequestRecord], slo_ttft_s: float, slo_tpot_s: float, wi
             "slo_attainment": good / len(records) if records else None, "goodput": good / window_s}  # fmt: skip
 
 
-def _reply_tokens(a: Arrival, arrivals: list[Arrival]) -> int:
-    """What the reply made, or for one still running the median of those that finished (at most
-    its max_tokens): a request's max_tokens is a cap, often far above what it makes."""
+def _reply_tokens(a: Arrival, done: list[int]) -> int:
+    """What the reply made, or for one still running (`generated` tokens so far) the median of the
+    finished replies longer than that, at most its max_tokens (a cap, often far above what a reply
+    makes). A reply longer than every finished one is taken to go on as long again."""
     if a.output_tokens is not None:
         return max(1, a.output_tokens)
-    done = [x.output_tokens for x in arrivals if x.output_tokens is not None]
-    typical = int(statistics.median(done)) if done else 256
-    return max(1, min(typical, a.max_tokens or typical))
+    longer = done[bisect.bisect_right(done, a.generated):]  # `done` is sorted
+    typical = longer[len(longer) // 2] if longer else (2 * a.generated if a.generated else 256)
+    return max(1, a.generated + 1, min(typical, a.max_tokens or typical))
 
 
 def _mean(xs: list[float]) -> float | None:
