@@ -41,14 +41,14 @@ def advisor_with(window: float = 10.0, slo_tpot: float = 0.014, model: str = "pl
     return router, a
 
 
-def feed(a, now: float, rate: float, prompt: int, output: int, window: float) -> None:
+def feed(a, now: float, rate: float, prompt: int, output: int, window: float, tpot: float = 0.05) -> None:
     count = int(rate * window)
     for i in range(count):
         t = now - window + i / rate
         key = f"r{t:.6f}-{prompt}"
         a.on_arrival(t, prompt, output, key)
         a.on_finished({"request_id": key, "arrival": t, "events": {"finish": now - 0.01}, "prompt_tokens": prompt,
-                       "output_tokens": output, "ttft": 0.5, "tpot": 0.05, "finish_reason": "length"})  # fmt: skip
+                       "output_tokens": output, "ttft": 0.5, "tpot": tpot, "finish_reason": "length"})  # fmt: skip
 
 
 @pytest.mark.parametrize("model", ["sim", "planner"])
@@ -74,7 +74,7 @@ def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows(mo
 def test_short_prompts_keep_colocated_and_too_little_traffic_decides_nothing(model):
     router, a = advisor_with(model=model)
     now = time.time()
-    feed(a, now, 2.0, 50, 100, 10.0)
+    feed(a, now, 2.0, 50, 100, 10.0, tpot=0.01)  # measured within the SLOs, as predicted
     entry = a.decide(now)
     assert entry["switch_to"] is None and entry["decision"].startswith("stay"), entry["decision"]
     quiet = a.decide(now + 10)  # nothing arrived or finished in this window
@@ -247,7 +247,7 @@ def test_a_local_prefill_threshold_that_moves_with_the_prompts_still_counts_as_t
     a._predict = canned(272)
     second = a.decide(now + 10)
     assert second["switch_to"] is not None and second["switch_to"]["local_prefill_tokens"] == 272, second["decision"]
-    assert "0.40 -> 0.80 req/s" in second["decision"]
+    assert "0.40 (predicted) -> 0.80 req/s" in second["decision"]
 
 
 def test_the_current_mode_behind_twice_switches_even_when_the_leader_changed():
@@ -359,3 +359,34 @@ def test_a_mode_predicted_to_do_less_than_half_as_well_is_left_after_one_window(
     a._predict = canned(0.9)  # +125%: switch now
     decided = a.decide(now + 10)
     assert decided["switch_to"] is not None and decided["switch_to"]["name"] == "chunked", decided["decision"]
+
+
+def test_the_current_mode_is_judged_by_what_it_measured_where_that_is_worse_than_predicted():
+    """Defect (seen on the default model, generate phase): the replay predicted colocated and chunked
+    alike (1.1 req/s) while colocated measured 0.1-0.7 and chunked, run alone, met every SLO; the
+    advisor stayed colocated for the whole phase."""
+    router, a = advisor_with(model="sim")
+    now = time.time()
+
+    def predict(snap, entry):
+        here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": 1.0, "slo_attainment": 1.0,
+                "slo_margin": 1.1}  # fmt: skip
+        other = {"label": "chunked:256", "mode": {"name": "chunked", "chunk_tokens": 256}, "goodput": 1.0,
+                 "slo_attainment": 1.0, "slo_margin": 1.2}  # fmt: skip
+        entry.update(traffic={"rate": 1.0}, predictions=[here, other])
+        return entry
+
+    a._predict = predict
+    feed(a, now, 2.0, 100, 20, 10.0, tpot=0.01)  # measured within the SLOs: equal, stay
+    assert a.decide(now)["decision"].startswith("stay")
+    a.mode_since = now + 15  # a switch within the next window: its requests ran partly under another mode
+    feed(a, now + 20, 2.0, 100, 20, 10.0)  # measured: none within the TPOT SLO
+    assert a.decide(now + 20)["decision"].startswith("stay")
+    feed(a, now + 40, 2.0, 100, 20, 10.0)
+    first = a.decide(now + 40)
+    assert first["current_credited"] == 0.0 and first["switch_to"] is not None, first["decision"]
+    assert "(measured)" in first["decision"]
+    a.config.credit_measured = False  # the prediction alone, as before
+    a.behind = 0
+    feed(a, now + 60, 2.0, 100, 20, 10.0)
+    assert a.decide(now + 60)["decision"].startswith("stay")

@@ -52,6 +52,7 @@ class AdvisorConfig:
     model: str = "sim"  # or "planner" (see the module's docstring)
     profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
     history_s: float = 60.0  # "sim": arrivals before the window replayed too, for the load they left (a backlog)
+    credit_measured: bool = True  # judge the current mode by its measured SLO attainment where it is worse
 
 
 @dataclass(slots=True)
@@ -91,6 +92,8 @@ class Advisor:
         self.by_key: dict[str, Arrival] = {}
         self.outputs: deque[int] = deque(maxlen=KEPT_STEPS)  # reply lengths of the requests that finished
         self.entries: deque[dict] = deque(maxlen=KEPT_ENTRIES)
+        self.mode_since = 0.0  # when the mode last changed, as far as the advisor saw
+        self.last_mode: dict | None = None
         self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
         self.task: asyncio.Task | None = None
 
@@ -153,6 +156,7 @@ class Advisor:
                 entry = self._close(entry)
                 if entry.get("switch_to") is not None and self.enabled:
                     outcome = await self.router.set_mode(Mode(**entry["switch_to"]))
+                    self.mode_since, self.last_mode = time.time(), self.router.mode.as_dict()
                     entry["switch"] = {k: outcome.get(k) for k in ("seconds", "moved", "bytes", "changed")}
             except Exception:
                 log.exception("the advisor's window failed")
@@ -174,6 +178,9 @@ class Advisor:
         if self.entries and "measured_next" not in self.entries[-1]:
             self.entries[-1]["measured_next"] = measured  # what the last decision led to
         current = self.router.mode
+        if self.last_mode is not None and current.as_dict() != self.last_mode:
+            self.mode_since = max(self.mode_since, now - cfg.window_s / 2)  # switched by hand within the window
+        self.last_mode = current.as_dict()
         entry = {"time": now, "window_s": cfg.window_s, "model": cfg.model, "current": current.as_dict(),
                  "measured": measured, "switch_to": None}  # fmt: skip
         arrived = [a for a in self.arrivals if a.time >= start]
@@ -227,17 +234,22 @@ class Advisor:
         rows = entry.get("predictions")
         if not rows:
             return self._publish(entry)
-        best = max(rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
         here = rows[0]  # the current mode
+        best = max(rows[1:] or rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
+        here_goodput = here["goodput"]
+        if (credited := self._measured_credit(entry, here)) is not None:
+            here_goodput = entry["current_credited"] = credited
         rate = entry["traffic"]["rate"]
-        gain = (best["goodput"] - here["goodput"]) / max(here["goodput"], 1e-3 * rate)
-        entry.update(best=best["label"], predicted_gain=gain)
-        change = f"{here['goodput']:.2f} -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here["goodput"] > 0 else "")
-        behind = best["goodput"] > here["goodput"] and best["label"] != here["label"] and gain > cfg.min_gain
+        gain = (best["goodput"] - here_goodput) / max(here_goodput, 1e-3 * rate)
+        leads = best["goodput"] > here_goodput and best["label"] != here["label"]
+        entry.update(best=best["label"] if leads else here["label"], predicted_gain=gain if leads else 0.0)
+        said = "measured" if credited is not None else "predicted"
+        change = f"{here_goodput:.2f} ({said}) -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here_goodput > 0 else "")
+        behind = leads and gain > cfg.min_gain
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
         self.behind = self.behind + 1 if behind else 0
-        if best["goodput"] <= here["goodput"] or best["label"] == here["label"]:
+        if not leads:
             entry["decision"] = f"stay: {here['label']} is predicted best"
         elif not behind:
             entry["decision"] = f"stay: {best['label']} is predicted only {change} (threshold {cfg.min_gain:.0%})"
@@ -250,6 +262,21 @@ class Advisor:
             entry["switch_to"] = best["mode"]
             self.behind = 0
         return self._publish(entry)
+
+    def _measured_credit(self, entry: dict, here: dict) -> float | None:
+        """The current mode judged by what it did as well: where its requests that finished in the
+        window met the SLOs less often than the replay predicts, its predicted goodput is scaled
+        down by the ratio (the live fit is optimistic once queues build). None where the window is
+        too thin or saw a switch (its requests ran partly under another mode)."""
+        cfg, m = self.config, entry["measured"]
+        predicted = here.get("slo_attainment")
+        if not cfg.credit_measured or predicted is None or m["slo_attainment"] is None:
+            return None
+        if m["requests"] < cfg.min_requests or self.mode_since > entry["time"] - cfg.window_s:
+            return None
+        if m["slo_attainment"] >= predicted:
+            return None
+        return here["goodput"] * m["slo_attainment"] / max(predicted, 1e-9)
 
     def _publish(self, entry: dict) -> dict:
         self.entries.append(entry)
