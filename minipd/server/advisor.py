@@ -53,6 +53,7 @@ class AdvisorConfig:
     profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
     history_s: float = 60.0  # "sim": arrivals before the window replayed too, for the load they left (a backlog)
     credit_measured: bool = True  # judge the current mode by its measured SLO attainment where it is worse
+    credited_min_gain: float = 0.3  # the gain a switch must promise over a current mode judged so
 
 
 @dataclass(slots=True)
@@ -182,7 +183,8 @@ class Advisor:
             self.mode_since = max(self.mode_since, now - cfg.window_s / 2)  # switched by hand within the window
         self.last_mode = current.as_dict()
         entry = {"time": now, "window_s": cfg.window_s, "model": cfg.model, "current": current.as_dict(),
-                 "measured": measured, "switch_to": None}  # fmt: skip
+                 "measured": measured, "switch_to": None,
+                 "measured_current": self._measured([f for f in window if f.arrival >= self.mode_since])}  # fmt: skip
         arrived = [a for a in self.arrivals if a.time >= start]
         if len(arrived) < cfg.min_requests:
             entry["decision"] = "wait: too little traffic to predict"
@@ -245,7 +247,8 @@ class Advisor:
         entry.update(best=best["label"] if leads else here["label"], predicted_gain=gain if leads else 0.0)
         said = "measured" if credited is not None else "predicted"
         change = f"{here_goodput:.2f} ({said}) -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here_goodput > 0 else "")
-        behind = leads and gain > cfg.min_gain
+        # measured against predicted is not like for like (the replay is optimistic): a wider margin
+        behind = leads and gain > (cfg.credited_min_gain if credited is not None else cfg.min_gain)
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
         self.behind = self.behind + 1 if behind else 0
@@ -267,12 +270,13 @@ class Advisor:
         """The current mode judged by what it did as well: where its requests that finished in the
         window met the SLOs less often than the replay predicts, its predicted goodput is scaled
         down by the ratio (the live fit is optimistic once queues build). None where the window is
-        too thin or saw a switch (its requests ran partly under another mode)."""
-        cfg, m = self.config, entry["measured"]
+        too thin. Only requests that arrived after the last switch count (the others ran partly under
+        another mode)."""
+        cfg, m = self.config, entry["measured_current"]
         predicted = here.get("slo_attainment")
         if not cfg.credit_measured or predicted is None or m["slo_attainment"] is None:
             return None
-        if m["requests"] < cfg.min_requests or self.mode_since > entry["time"] - cfg.window_s:
+        if m["requests"] < cfg.min_requests:
             return None
         if m["slo_attainment"] >= predicted:
             return None
