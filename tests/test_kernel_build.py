@@ -51,16 +51,32 @@ def test_the_extension_name_changes_with_the_instruction_sets_of_the_cpu(monkeyp
     assert "avx512" in names["avx512"] and "avx512" not in names["avx2"]
 
 
-def test_the_avx512_kernels_run_only_where_the_cpu_reports_avx512():
-    assert kernel_build.avx512_kernels_usable(compiled=True, flags=AVX512)
-    assert not kernel_build.avx512_kernels_usable(compiled=True, flags=AVX2)
-    assert not kernel_build.avx512_kernels_usable(compiled=False, flags=AVX512)
+def test_the_vector_kernels_run_only_where_the_cpu_reports_the_isa_they_were_built_for():
+    assert kernel_build.vector_kernels_usable("avx512", AVX512)
+    assert not kernel_build.vector_kernels_usable("avx512", AVX2)
+    assert kernel_build.vector_kernels_usable("avx2", AVX2) and kernel_build.vector_kernels_usable("avx2", AVX512)
+    assert kernel_build.vector_kernels_usable("neon", frozenset({"fp", "asimd"}))
+    assert not kernel_build.vector_kernels_usable("scalar", AVX512)  # slower than the portable paths
+    assert not kernel_build.vector_kernels_usable(None, AVX512)  # not built
+
+
+def test_a_forced_isa_is_built_under_its_own_name_and_a_wrong_one_is_refused(monkeypatch):
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: AVX512)
+    monkeypatch.delenv(kernel_build.ISA_ENV, raising=False)
+    native = kernel_build.extension_name()
+    monkeypatch.setenv(kernel_build.ISA_ENV, "avx2")
+    assert "-mno-avx512f" in kernel_build.cflags()
+    forced = kernel_build.extension_name()
+    assert forced != native and "_avx2_" in forced
+    monkeypatch.setenv(kernel_build.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="MINIPD_KERNEL_ISA"):
+        kernel_build.cflags()
 
 
 def test_small_linear_and_paged_prefill_ask_the_cpu_not_only_the_compiler(monkeypatch):
     import torch
 
-    monkeypatch.setattr(cpu_kernels, "compiled_with_avx512", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda: "avx512")
     for flags, want in ((AVX2, False), (AVX512, True)):
         monkeypatch.setattr(cpu_kernels, "_state", {"ok": True})
         monkeypatch.setattr(kernel_build, "cpu_flags", lambda flags=flags: flags)

@@ -33,14 +33,17 @@ def error() -> str:
     return _state.get("error", "")
 
 
-def compiled_with_avx512() -> bool:
-    return available() and torch.ops.minipd.small_linear_supported()
+def kernel_isa() -> str | None:
+    """The instruction set the kernels were built for (csrc/vec.h): avx512, avx2, neon or scalar;
+    None when they were not built."""
+    return str(torch.ops.minipd.kernel_isa()) if available() else None
 
 
 def small_linear_available() -> bool:
-    """The AVX-512 kernels: built for AVX-512 and run on a CPU that reports it."""
+    """The kernels that need vectors to pay (small_linear, paged_prefill): built for a vector ISA
+    and run on a CPU that reports it."""
     if "small_linear" not in _state:
-        _state["small_linear"] = kernel_build.avx512_kernels_usable(compiled_with_avx512(), kernel_build.cpu_flags())
+        _state["small_linear"] = kernel_build.vector_kernels_usable(kernel_isa(), kernel_build.cpu_flags())
     return _state["small_linear"]
 
 
@@ -89,7 +92,7 @@ def _load(name: str, folder: Path) -> None:
     load(
         name=name,
         sources=sources,
-        extra_cflags=kernel_build.CFLAGS,
+        extra_cflags=kernel_build.cflags(),
         build_directory=str(folder),
         is_python_module=False,
         verbose=False,

@@ -20,6 +20,9 @@ from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-funroll-loops"]
+ISA_ENV = "MINIPD_KERNEL_ISA"  # build for less than the CPU has: to test that build where a better one runs
+FORCED_ISA_CFLAGS = {"avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}  # x86
+VECTOR_ISAS = ("avx512", "avx2", "neon")  # vec.h's; "scalar" (any other CPU) is slower than the portable paths
 BUILD_COMMAND = [sys.executable, "-m", "minipd.models.cpu_kernels"]
 BUILD_TIMEOUT_S = 240.0
 STALE_LOCK_S = 300.0  # older than any build the timeout allows: the lock of a killed build
@@ -44,8 +47,24 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
-def avx512_kernels_usable(compiled: bool, flags: frozenset[str]) -> bool:
-    return compiled and "avx512f" in flags
+def forced_isa() -> str | None:
+    """MINIPD_KERNEL_ISA=avx2 or scalar builds the kernels for that instruction set on an x86 CPU
+    that has more (each build under its own name)."""
+    isa = os.environ.get(ISA_ENV, "").strip().lower()
+    if isa and isa not in FORCED_ISA_CFLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: expected one of {', '.join(FORCED_ISA_CFLAGS)} (or unset: the CPU's best)")
+    return isa or None
+
+
+def cflags() -> list[str]:
+    return CFLAGS + FORCED_ISA_CFLAGS.get(forced_isa() or "", [])
+
+
+def vector_kernels_usable(built: str | None, flags: frozenset[str]) -> bool:
+    """The kernels that beat the portable paths only with vectors (small_linear, paged_prefill) run
+    when they were built for a vector ISA that this CPU reports, not only the compiler."""
+    needs = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}, "neon": {"asimd"}}.get(built or "")
+    return needs is not None and needs <= flags
 
 
 def isa_label(flags: frozenset[str]) -> str:
@@ -62,8 +81,8 @@ def isa_flags(flags: frozenset[str]) -> list[str]:
 
 def extension_name() -> str:
     key = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(CSRC.iterdir())))  # headers too
-    key.update(" ".join([*CFLAGS, *isa_flags(cpu_flags()), _torch_version()]).encode())
-    return f"minipd_cpu_kernels_{isa_label(cpu_flags())}_{key.hexdigest()[:10]}"
+    key.update(" ".join([*cflags(), *isa_flags(cpu_flags()), _torch_version()]).encode())
+    return f"minipd_cpu_kernels_{forced_isa() or isa_label(cpu_flags())}_{key.hexdigest()[:10]}"
 
 
 def _torch_version() -> str:
@@ -118,7 +137,7 @@ def build_in_child(timeout: float = BUILD_TIMEOUT_S) -> str:
     is set so that the workers spawned next use the portable paths at once. Returns one line."""
     if os.environ.get("MINIPD_NO_KERNEL"):
         return "minipd: CPU kernels off (MINIPD_NO_KERNEL)"
-    isa, folder = isa_label(cpu_flags()), build_directory()
+    isa, folder = forced_isa() or isa_label(cpu_flags()), build_directory()
     if library_path().is_file():
         return f"minipd: CPU kernels for {isa}, cached in {folder}"
     if ninja_path() is None:

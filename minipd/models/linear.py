@@ -1,5 +1,5 @@
 """nn.Linear, except that the few rows of a decode step go through minipd's CPU kernel, which
-streams the weights at close to memory speed (float32, AVX-512; see csrc/small_linear.cpp), the
+streams the weights at close to memory speed (float32, AVX-512, AVX2 or NEON; see csrc/small_linear.cpp), the
 many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32 GEMM takes a path without
 AVX-512: 100 GFLOP/s against oneDNN's 240 on one core here), and that it can hold its weights as
 int8 (weight-only quantization, opt-in)."""

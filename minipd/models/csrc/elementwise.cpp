@@ -1,14 +1,11 @@
 // The element-wise steps of a Llama layer in one pass each, float32 (the compiler vectorizes the
-// plain loops; SiLU's exp is exp16.h): RMSNorm, SiLU(gate) * up, and rotary embedding of q and k
+// plain loops; SiLU is over vec.h): RMSNorm, SiLU(gate) * up, and rotary embedding of q and k
 // in place. In eager PyTorch each of these is 3 to 8 operators, each a pass over the activations.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include "exp16.h"
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -55,15 +52,13 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
       const float* u = up_ + t * lu;
       float* o = yp + t * N;
       int64_t i = 0;
-#ifdef __AVX512F__
-      const __m512 one = _mm512_set1_ps(1.f);
-      for (; i + 16 <= N; i += 16) {
-        const __m512 gv = _mm512_loadu_ps(g + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+      using minipd_vec::Vec;
+      const Vec one = Vec::set1(1.f);
+      for (; i + Vec::L <= N; i += Vec::L) {
+        const Vec gv = Vec::load(g + i);
+        const Vec e = minipd_vec::exp(Vec::zero() - gv);
+        ((gv / (one + e)) * Vec::load(u + i)).store(o + i);
       }
-#endif
       for (; i < N; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
   });

@@ -10,10 +10,7 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include "exp16.h"
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -90,70 +87,69 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-#ifdef __AVX512F__
-// The float32 path with AVX-512, head_dim D a multiple of 16: per kv head, each K row is read once
-// for the G query heads that share it, the softmax runs 16 scores at a time, and each V row is
-// added into G x D accumulators held in registers (a head at a time when they do not fit).
+// The float32 path over vec.h, head_dim D a multiple of the lanes L: per kv head, each K row is
+// read once for the G query heads that share it, the softmax runs L scores at a time, and each V
+// row is added into D / L accumulators held in registers.
 template <int D>
 void run_f32(const float* qp, const float* kp, const float* vp, const int64_t* bt, const int64_t* seq,
              const int64_t* pos, int64_t T, int64_t Hq, int64_t Hkv, int64_t W, int64_t block_size, float scale,
              float* op) {
-  constexpr int X = D / 16, AHEAD = 16;  // keys prefetched ahead
+  using minipd_vec::Vec;
+  constexpr int L = Vec::L, X = D / L, AHEAD = 16;  // keys prefetched ahead
   const int64_t G = Hq / Hkv, row = Hkv * D;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> krows, vrows;
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t L = pos[t] + 1, Lp = (L + 15) / 16 * 16;
+      const int64_t Lk = pos[t] + 1, Lp = (Lk + L - 1) / L * L;
       const int64_t* table = bt + seq[t] * W;
       scores.assign(G * Lp, 0.f);
-      krows.resize(L);
-      vrows.resize(L);
+      krows.resize(Lk);
+      vrows.resize(Lk);
       for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t p = 0; p < L; ++p) {
+        for (int64_t p = 0; p < Lk; ++p) {
           const int64_t off = (table[p / block_size] * block_size + p % block_size) * row + h * D;
           krows[p] = kp + off;
           vrows[p] = vp + off;
         }
         const float* q = qp + (t * Hq + h * G) * D;
         for (int64_t g = 0; g < G; ++g) {  // scores, then softmax, of query head h * G + g
-          __m512 qv[X];
-          for (int x = 0; x < X; ++x) qv[x] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * x), _mm512_set1_ps(scale));
+          Vec qv[X];
+          for (int x = 0; x < X; ++x) qv[x] = Vec::load(q + g * D + L * x) * Vec::set1(scale);
           float* sc = scores.data() + g * Lp;
-          for (int64_t p = 0; p < L; ++p) {
-            if (g == 0 && p + AHEAD < L)  // the cache is read from memory once, so ask for it early
-              for (int x = 0; x < X; ++x) _mm_prefetch(reinterpret_cast<const char*>(krows[p + AHEAD] + 16 * x), _MM_HINT_T0);
-            __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(krows[p]));
-            for (int x = 1; x < X; ++x) acc = _mm512_fmadd_ps(qv[x], _mm512_loadu_ps(krows[p] + 16 * x), acc);
-            sc[p] = _mm512_reduce_add_ps(acc);
+          for (int64_t p = 0; p < Lk; ++p) {
+            if (g == 0 && p + AHEAD < Lk)  // the cache is read from memory once, so ask for it early
+              for (int x = 0; x < X; x += 16 / L) minipd_vec::prefetch(krows[p + AHEAD] + L * x);
+            Vec acc = qv[0] * Vec::load(krows[p]);
+            for (int x = 1; x < X; ++x) acc = minipd_vec::fmadd(qv[x], Vec::load(krows[p] + L * x), acc);
+            sc[p] = minipd_vec::reduce_add(acc);
           }
-          for (int64_t p = L; p < Lp; ++p) sc[p] = -1e30f;  // padding: e^(-1e30 - max) is 0
-          __m512 mx = _mm512_set1_ps(-1e30f);
-          for (int64_t p = 0; p < Lp; p += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + p));
-          const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t p = 0; p < Lp; p += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + p), m));
-            _mm512_storeu_ps(sc + p, e);
-            sum = _mm512_add_ps(sum, e);
+          for (int64_t p = Lk; p < Lp; ++p) sc[p] = -1e30f;  // padding: e^(-1e30 - max) is 0
+          Vec mx = Vec::set1(-1e30f);
+          for (int64_t p = 0; p < Lp; p += L) mx = minipd_vec::max(mx, Vec::load(sc + p));
+          const Vec m = Vec::set1(minipd_vec::reduce_max(mx));
+          Vec sum = Vec::zero();
+          for (int64_t p = 0; p < Lp; p += L) {
+            const Vec e = minipd_vec::exp(Vec::load(sc + p) - m);
+            e.store(sc + p);
+            sum = sum + e;
           }
-          const float inv = 1.f / _mm512_reduce_add_ps(sum);
-          __m512 acc[X];
-          for (int x = 0; x < X; ++x) acc[x] = _mm512_setzero_ps();
-          for (int64_t p = 0; p < L; ++p) {
-            if (g == 0 && p + AHEAD < L)
-              for (int x = 0; x < X; ++x) _mm_prefetch(reinterpret_cast<const char*>(vrows[p + AHEAD] + 16 * x), _MM_HINT_T0);
-            const __m512 w = _mm512_set1_ps(sc[p]);
-            for (int x = 0; x < X; ++x) acc[x] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vrows[p] + 16 * x), acc[x]);
+          const float inv = 1.f / minipd_vec::reduce_add(sum);
+          Vec acc[X];
+          for (int x = 0; x < X; ++x) acc[x] = Vec::zero();
+          for (int64_t p = 0; p < Lk; ++p) {
+            if (g == 0 && p + AHEAD < Lk)
+              for (int x = 0; x < X; x += 16 / L) minipd_vec::prefetch(vrows[p + AHEAD] + L * x);
+            const Vec w = Vec::set1(sc[p]);
+            for (int x = 0; x < X; ++x) acc[x] = minipd_vec::fmadd(w, Vec::load(vrows[p] + L * x), acc[x]);
           }
           float* o = op + (t * Hq + h * G + g) * D;
-          for (int x = 0; x < X; ++x) _mm512_storeu_ps(o + 16 * x, _mm512_mul_ps(acc[x], _mm512_set1_ps(inv)));
+          for (int x = 0; x < X; ++x) (acc[x] * Vec::set1(inv)).store(o + L * x);
         }
       }
     }
   });
 }
-#endif
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_of_token,
@@ -166,7 +162,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto sq = seq_of_token.to(at::kLong).contiguous();
   auto ps = pos_of_token.to(at::kLong).contiguous();
   auto out = at::empty_like(qc);
-#ifdef __AVX512F__
   const int64_t D = qc.size(2);
   if (qc.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && (D == 64 || D == 128)) {
     auto go = [&](auto d) {
@@ -179,7 +174,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     else go(std::integral_constant<int, 128>());
     return out;
   }
-#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {
     run<scalar_t>(qc, k_cache, v_cache, bt, sq, ps, block_size, scale, out);
   });

@@ -1,5 +1,5 @@
 // Prefill attention read in place from the paged KV cache, flash-attention style (online softmax,
-// nothing of size T x T is ever stored), float32 with AVX-512. One sequence's T new tokens, at
+// nothing of size T x T is ever stored), float32, over vec.h (AVX-512, AVX2, NEON). One sequence's T new tokens, at
 // positions [ctx - T, ctx), attend causally to its keys [0, position] found through its block
 // table; their own K and V are already in the cache. The same call serves a whole prompt and one
 // chunk of it (a cached prefix is read where it lies, not gathered).
@@ -7,7 +7,8 @@
 // Per kv head: its keys are copied once per call into K^T (head_dim x keys, keys along the vector
 // lanes; V is read in place), then tiles of ROWS query rows (query position x query head of
 // the group, which share the kv head) sweep the keys KEYS at a time: scores by broadcasting each
-// query element against 32 keys' worth of K^T, then p * V into the tile's output.
+// query element against two vectors of K^T, then p * V into the tile's output. The tile shapes
+// follow the registers the ISA has (32 vectors on AVX-512 and NEON, 16 on AVX2).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,83 +16,89 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include "exp16.h"
-#endif
+#include "vec.h"
 
 namespace {
 
-#ifdef __AVX512F__
-constexpr int ROWS = 12;  // query rows per tile: 24 score accumulators + 2 K^T vectors + 1 broadcast
+using minipd_vec::Vec;
+constexpr int L = Vec::L;
+constexpr bool WIDE = Vec::REGISTERS >= 32;
+constexpr int ROWS = WIDE ? 12 : 6;  // query rows per tile: 2 x ROWS score accumulators + 2 K^T vectors + 1 broadcast
+constexpr int GROUP = WIDE ? 4 : 3;  // rows of o updated together: GROUP x COLS accumulators + COLS V vectors + 1
+constexpr int COLS = WIDE ? 4 : 3;  // vectors of o's columns updated together
 constexpr int KEYS = 128;  // keys per step of the online softmax (its reductions and rescales amortized)
-constexpr int VEC = KEYS / 16;
+constexpr int VEC = KEYS / L;
 constexpr int MAX_D = 256;
+constexpr int KEY_PAD = 32;  // keys are padded to a multiple of this (>= 2 vectors on every ISA)
 constexpr float NONE = -1e30f;  // the running max before any key; finite, as -ffast-math assumes
+static_assert(ROWS % GROUP == 0 && KEY_PAD % (2 * L) == 0 && KEYS % KEY_PAD == 0, "tile shapes");
 
-// s[r][c:c+32] = q[r] . keys c..c+31 of kt, K^T of one head with row stride ld
+// s[r][c:c+2L] = q[r] . keys c..c+2L-1 of kt, K^T of one head with row stride ld
 template <int D>
 inline void scores(const float* q, const float* kt, int64_t ld, float s[ROWS][KEYS], int c) {
-  __m512 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  Vec acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = Vec::zero();
   for (int d = 0; d < D; ++d) {
-    const __m512 k0 = _mm512_loadu_ps(kt + d * ld), k1 = _mm512_loadu_ps(kt + d * ld + 16);
+    const Vec k0 = Vec::load(kt + d * ld), k1 = Vec::load(kt + d * ld + L);
     for (int r = 0; r < ROWS; ++r) {
-      const __m512 qv = _mm512_set1_ps(q[r * MAX_D + d]);
-      acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+      const Vec qv = Vec::set1(q[r * MAX_D + d]);
+      acc[r][0] = minipd_vec::fmadd(qv, k0, acc[r][0]);
+      acc[r][1] = minipd_vec::fmadd(qv, k1, acc[r][1]);
     }
   }
   for (int r = 0; r < ROWS; ++r) {
-    _mm512_storeu_ps(s[r] + c, acc[r][0]);
-    _mm512_storeu_ps(s[r] + c + 16, acc[r][1]);
+    acc[r][0].store(s[r] + c);
+    acc[r][1].store(s[r] + c + L);
   }
 }
 
-// o[r] = o[r] * corr[r] + sum_j<n p[r][j] v[j], four rows and 64 columns of o at a time
+// columns [c, c + W * L) of o[r] = o[r] * corr[r] + sum_j<n p[r][j] v[j], GROUP rows at a time
+template <int W>
+inline void accumulate_columns(float* o, const float* corr, const float p[ROWS][KEYS], const float* const* v, int n,
+                               int c) {
+  for (int r0 = 0; r0 < ROWS; r0 += GROUP) {
+    Vec acc[GROUP][W];
+    for (int r = 0; r < GROUP; ++r)
+      for (int x = 0; x < W; ++x) acc[r][x] = Vec::load(o + (r0 + r) * MAX_D + c + L * x) * Vec::set1(corr[r0 + r]);
+    for (int j = 0; j < n; ++j) {
+      Vec vv[W];
+      for (int x = 0; x < W; ++x) vv[x] = Vec::load(v[j] + c + L * x);
+      for (int r = 0; r < GROUP; ++r) {
+        const Vec pv = Vec::set1(p[r0 + r][j]);
+        for (int x = 0; x < W; ++x) acc[r][x] = minipd_vec::fmadd(pv, vv[x], acc[r][x]);
+      }
+    }
+    for (int r = 0; r < GROUP; ++r)
+      for (int x = 0; x < W; ++x) acc[r][x].store(o + (r0 + r) * MAX_D + c + L * x);
+  }
+}
+
 template <int D>
 inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], const float* const* v, int n) {
-  for (int r0 = 0; r0 < ROWS; r0 += 4) {
-    for (int c = 0; c < D; c += 64) {
-      constexpr int W = D >= 64 ? 4 : D / 16;  // D % 64 == 0 or D < 64: whole chunks
-      const int w = W;
-      __m512 acc[4][4];
-      for (int r = 0; r < 4; ++r)
-        for (int x = 0; x < w; ++x)
-          acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * MAX_D + c + 16 * x), _mm512_set1_ps(corr[r0 + r]));
-      for (int j = 0; j < n; ++j) {
-        __m512 vv[4];
-        for (int x = 0; x < w; ++x) vv[x] = _mm512_loadu_ps(v[j] + c + 16 * x);
-        for (int r = 0; r < 4; ++r) {
-          const __m512 pv = _mm512_set1_ps(p[r0 + r][j]);
-          for (int x = 0; x < w; ++x) acc[r][x] = _mm512_fmadd_ps(pv, vv[x], acc[r][x]);
-        }
-      }
-      for (int r = 0; r < 4; ++r)
-        for (int x = 0; x < w; ++x) _mm512_storeu_ps(o + (r0 + r) * MAX_D + c + 16 * x, acc[r][x]);
-    }
-  }
+  constexpr int V = D / L, FULL = V / COLS, REST = V % COLS;
+  for (int i = 0; i < FULL; ++i) accumulate_columns<COLS>(o, corr, p, v, n, i * COLS * L);
+  if constexpr (REST > 0) accumulate_columns<REST>(o, corr, p, v, n, FULL * COLS * L);
 }
 
 template <int D>
 void run(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t block_size,
          int64_t T, int64_t ctx, int64_t Hq, int64_t Hkv, float scale, float* out) {
   const int64_t G = Hq / Hkv, first = ctx - T;  // position of the first query
-  const int64_t L = (ctx + 31) / 32 * 32;  // keys, padded with zeros to whole score blocks
-  auto kt_all = at::empty({Hkv, D, L}, at::kFloat);
+  const int64_t Lk = (ctx + KEY_PAD - 1) / KEY_PAD * KEY_PAD;  // keys, padded with zeros to whole score blocks
+  auto kt_all = at::empty({Hkv, D, Lk}, at::kFloat);
   float* ktp = kt_all.data_ptr<float>();
   std::vector<const float*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
   static const float zeros[MAX_D] = {};
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t j0 = 0; j0 < L; j0 += 16) {  // 16 keys at a time: each K^T write is one cache line
+      for (int64_t j0 = 0; j0 < Lk; j0 += 16) {  // 16 keys at a time: each K^T write is one cache line
         const float* k[16];
         for (int jj = 0; jj < 16; ++jj) {
           const int64_t j = j0 + jj;
           k[jj] = j < ctx ? k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D : zeros;
         }
         for (int d = 0; d < D; ++d) {
-          float* dst = ktp + (h * D + d) * L + j0;
+          float* dst = ktp + (h * D + d) * Lk + j0;
           for (int jj = 0; jj < 16; ++jj) dst[jj] = k[jj][d];
         }
       }
@@ -117,11 +124,11 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
         l[r] = 0.f;
       }
       const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
-      const float* kt = ktp + h * D * L;
+      const float* kt = ktp + h * D * Lk;
       const float* const* vh = v_rows.data() + h * ctx;
       for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
         const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
-        for (int c = 0; c < n; c += 32) scores<D>(qt, kt + k0 + c, L, s, c);
+        for (int c = 0; c < n; c += 2 * L) scores<D>(qt, kt + k0 + c, Lk, s, c);
         for (int r = 0; r < ROWS; ++r) {
           const int64_t seen = std::clamp<int64_t>(pos[r] + 1 - k0, 0, KEYS);  // keys this row may see
           if (seen == 0) {
@@ -129,25 +136,17 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
             std::fill(p[r], p[r] + KEYS, 0.f);
             continue;
           }
-          __mmask16 mask[VEC];
-          __m512 sv[VEC];
-          __m512 mv = _mm512_set1_ps(m[r]);
-          for (int x = 0; x < VEC; ++x) {
-            const int64_t lanes = std::clamp<int64_t>(seen - 16 * x, 0, 16);
-            mask[x] = static_cast<__mmask16>((1u << lanes) - 1);
-            sv[x] = _mm512_mask_loadu_ps(_mm512_set1_ps(NONE), mask[x], s[r] + 16 * x);
-            mv = _mm512_max_ps(mv, sv[x]);
-          }
-          const float mx = _mm512_reduce_max_ps(mv);
-          mv = _mm512_set1_ps(mx);
-          __m512 sum = _mm512_setzero_ps();
-          for (int x = 0; x < VEC; ++x) {
-            const __m512 px = _mm512_maskz_mov_ps(mask[x], exp16(_mm512_sub_ps(sv[x], mv)));
-            _mm512_storeu_ps(p[r] + 16 * x, px);
-            sum = _mm512_add_ps(sum, px);
-          }
+          std::fill(s[r] + seen, s[r] + KEYS, NONE);  // keys it may not see (causal, or past the end)
+          Vec mv = Vec::set1(m[r]);
+          for (int x = 0; x < VEC; ++x) mv = minipd_vec::max(mv, Vec::load(s[r] + L * x));
+          const float mx = minipd_vec::reduce_max(mv);
+          mv = Vec::set1(mx);
+          Vec sum = Vec::zero();
+          for (int x = 0; x < VEC; ++x) minipd_vec::exp(Vec::load(s[r] + L * x) - mv).store(p[r] + L * x);
+          if (seen < KEYS) std::fill(p[r] + seen, p[r] + KEYS, 0.f);  // exactly 0, not e^-104
+          for (int x = 0; x < VEC; ++x) sum = sum + Vec::load(p[r] + L * x);
           corr[r] = std::exp(m[r] - mx);  // 0 on the first keys (m = NONE)
-          l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+          l[r] = l[r] * corr[r] + minipd_vec::reduce_add(sum);
           m[r] = mx;
         }
         accumulate<D>(o, corr, p, vh + k0, n);
@@ -161,7 +160,6 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
     }
   });
 }
-#endif
 
 bool supported_head_dim(int64_t D) {
   return D == 16 || D == 32 || D == 48 || D == 64 || D == 128 || D == 192 || D == 256;
@@ -181,7 +179,6 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   TORCH_CHECK(bt.dim() == 1 && bt.size(0) * block_size >= ctx_len, "block table too short for ctx_len");
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
-#ifdef __AVX512F__
   auto go = [&](auto d) {
     run<decltype(d)::value>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                             bt.data_ptr<int64_t>(), block_size, T, ctx_len, Hq, Hkv, static_cast<float>(scale),
@@ -196,9 +193,6 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
     case 192: go(std::integral_constant<int, 192>()); break;
     case 256: go(std::integral_constant<int, 256>()); break;
   }
-#else
-  TORCH_CHECK(false, "paged_prefill needs AVX-512");
-#endif
   return out;
 }
 

@@ -1,0 +1,166 @@
+// minipd's portable vector layer: one float vector type, `Vec`, of Vec::L lanes, for the instruction
+// set the kernels are compiled for (kernel_build.py: -march=native, or MINIPD_KERNEL_ISA): AVX-512
+// (16 lanes), AVX2 with FMA (8), NEON (4), or plain C++ (1 lane, for any other CPU). Each kernel
+// is written once over it. The operations are the few the kernels need; exp is the same degree-6
+// polynomial on every ISA (about 1 ulp), so results agree across builds up to the order of sums.
+// ATen's at::vec::Vectorized was the other choice: its fast exp (exp_u20) is accurate to 20 ulp,
+// and the kernels need lane-count-aware tiles anyway.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define MINIPD_VEC_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MINIPD_VEC_ISA "avx2"
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define MINIPD_VEC_ISA "neon"
+#else
+#define MINIPD_VEC_ISA "scalar"
+#endif
+
+namespace minipd_vec {
+
+#if defined(__AVX512F__)
+struct Vec {
+  static constexpr int L = 16;
+  static constexpr int REGISTERS = 32;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+};
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }  // c - a * b
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline Vec round(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline Vec scale2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n, n whole
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
+inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Vec {
+  static constexpr int L = 8;
+  static constexpr int REGISTERS = 16;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+};
+inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline Vec round(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline Vec scale2(Vec p, Vec n) {
+  // 2^n built in the exponent field, in two halves: n reaches -150, below the normal range
+  const __m256i ni = _mm256_cvtps_epi32(n.v);
+  const __m256i half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return {_mm256_mul_ps(_mm256_mul_ps(p.v, a), b)};
+}
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+struct Vec {
+  static constexpr int L = 4;
+  static constexpr int REGISTERS = 32;
+  float32x4_t v;
+  static Vec zero() { return {vdupq_n_f32(0.f)}; }
+  static Vec set1(float x) { return {vdupq_n_f32(x)}; }
+  static Vec load(const float* p) { return {vld1q_f32(p)}; }
+  void store(float* p) const { vst1q_f32(p, v); }
+};
+inline Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {vdivq_f32(a.v, b.v)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return {vfmsq_f32(c.v, a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {vminq_f32(a.v, b.v)}; }
+inline Vec round(Vec a) { return {vrndnq_f32(a.v)}; }
+inline Vec scale2(Vec p, Vec n) {
+  const int32x4_t ni = vcvtnq_s32_f32(n.v);
+  const int32x4_t half = vshrq_n_s32(ni, 1);
+  const int32x4_t bias = vdupq_n_s32(127);
+  const float32x4_t a = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(half, bias), 23));
+  const float32x4_t b = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vsubq_s32(ni, half), bias), 23));
+  return {vmulq_f32(vmulq_f32(p.v, a), b)};
+}
+inline float reduce_add(Vec a) { return vaddvq_f32(a.v); }
+inline float reduce_max(Vec a) { return vmaxvq_f32(a.v); }
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+
+#else
+struct Vec {
+  static constexpr int L = 1;
+  static constexpr int REGISTERS = 16;
+  float v;
+  static Vec zero() { return {0.f}; }
+  static Vec set1(float x) { return {x}; }
+  static Vec load(const float* p) { return {*p}; }
+  void store(float* p) const { *p = v; }
+};
+inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+inline Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return {c.v - a.v * b.v}; }
+inline Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+inline Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
+inline Vec round(Vec a) { return {std::nearbyint(a.v)}; }
+inline Vec scale2(Vec p, Vec n) { return {std::ldexp(p.v, static_cast<int>(n.v))}; }
+inline float reduce_add(Vec a) { return a.v; }
+inline float reduce_max(Vec a) { return a.v; }
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+#endif
+
+// e^x: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, and a degree-6 Taylor polynomial for e^r
+inline Vec exp(Vec x) {
+  x = min(max(x, Vec::set1(-104.f)), Vec::set1(88.7f));  // 0 and FLT_MAX beyond
+  const Vec n = round(x * Vec::set1(1.44269504088896341f));
+  Vec r = fnmadd(n, Vec::set1(0.693359375f), x);  // ln 2 in two parts
+  r = fnmadd(n, Vec::set1(-2.12194440e-4f), r);
+  Vec p = Vec::set1(1.f / 720);
+  p = fmadd(p, r, Vec::set1(1.f / 120));
+  p = fmadd(p, r, Vec::set1(1.f / 24));
+  p = fmadd(p, r, Vec::set1(1.f / 6));
+  p = fmadd(p, r, Vec::set1(0.5f));
+  p = fmadd(p, r, Vec::set1(1.f));
+  p = fmadd(p, r, Vec::set1(1.f));
+  return scale2(p, n);
+}
+
+}  // namespace minipd_vec
