@@ -66,14 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
              "bench": "the same traffic through each mode: goodput, link study, planner",
              "plan": "profile the workers and recommend a P:D split",
              "profile": "measure the workers' step, transfer and host times into a profile JSON",
-             "sim": "bench's experiments on a simulated server (minipd's own scheduler, a profile's times)"}  # fmt: skip
+             "sim": "bench's experiments on a simulated server (minipd's own scheduler, a profile's times)",
+             "info": "the CPU, its instruction sets, which kernels and paths run here, threads, versions"}  # fmt: skip
     for name, text in tools.items():
         sub.add_parser(name, help=f"{text} (see its --help)", add_help=False)
     return parser
 
 
 TOOLS = {"demo": "minipd.demo.main", "bench": "minipd.bench.main", "plan": "minipd.bench.plan_main",
-         "profile": "minipd.sim.profile_main", "sim": "minipd.sim.main"}
+         "profile": "minipd.sim.profile_main", "sim": "minipd.sim.main", "info": "minipd.info"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,114 @@
+"""`python -m minipd info`: the CPU, the instruction sets minipd's kernels were built for, which
+path each part of a step takes per dtype, the threads, and the torch, oneDNN and MKL versions, so
+that a user can tell why their figures differ from the README's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+from minipd.cli_help import DefaultsFormatter
+
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 and AMX, arm BF16
+
+
+def cpu_name() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    for key in ("model name", "Hardware", "Model"):
+        if m := re.search(rf"^{key}\s*:\s*(.+)$", text, re.M):
+            return m.group(1).strip()
+    return platform.machine()
+
+
+def onednn_version(config: str) -> str | None:
+    m = re.search(r"(?:MKL-DNN|oneDNN) v([\d.]+)", config)
+    return m.group(1) if m else None
+
+
+def describe(head_dim: int = 64) -> dict:
+    """What runs here, for a model with this head_dim (the default model's is 64)."""
+    import torch
+
+    from minipd.models import cpu_kernels, kernel_build
+
+    flags = kernel_build.cpu_flags()
+    build_line = kernel_build.build_in_child()  # builds once (about a minute), or says why not
+    built = cpu_kernels.available()
+    isa = cpu_kernels.kernel_isa()
+    vectors = cpu_kernels.small_linear_available()
+    onednn = torch.backends.mkldnn.is_available()
+    decode_attention = ("minipd paged_attention, " + (f"{isa} vectors" if head_dim in (64, 128) else "plain loops")
+                        if built else "PyTorch SDPA over the gathered KV")  # fmt: skip
+    f32 = {
+        "prefill_attention": f"minipd paged_prefill ({isa})" if cpu_kernels.paged_prefill_available(
+            torch.float32, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
+        "decode_attention": decode_attention,
+        "decode_linears": f"minipd small_linear ({isa}) up to 2 rows, then oneDNN (prepacked)" if vectors
+        else ("oneDNN" if onednn else "PyTorch (MKL)"),
+        "prefill_linears": "oneDNN, prepacked weights" if onednn else "PyTorch (MKL)",
+        "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
+    }
+    bf16 = {
+        "prefill_attention": "PyTorch SDPA over the gathered KV",
+        "decode_attention": decode_attention.replace(f"{isa} vectors", "plain loops, float32 sums"),
+        "decode_linears": "PyTorch (oneDNN bfloat16)",
+        "prefill_linears": "PyTorch (oneDNN bfloat16)",
+        "elementwise": "PyTorch operators",
+    }
+    return {
+        "cpu": {"name": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
+                "isa": kernel_build.isa_label(flags), "bfloat16_instructions": [f for f in BF16_FLAGS if f in flags],
+                "torch_capability": torch.backends.cpu.get_cpu_capability()},  # fmt: skip
+        "kernels": {"built": built, "isa": isa, "vector_kernels": vectors, "note": build_line.removeprefix("minipd: "),
+                    "error": cpu_kernels.error() or None, "forced_isa": os.environ.get(kernel_build.ISA_ENV) or None,
+                    "disabled": bool(os.environ.get("MINIPD_NO_KERNEL"))},  # fmt: skip
+        "paths": {"float32": f32, "bfloat16": bf16},
+        "default_dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "onednn": onednn_version(torch.__config__.show()) if onednn else None,
+                     "mkl": torch.backends.mkl.is_available()},  # fmt: skip
+    }
+
+
+def render(info: dict) -> str:
+    cpu, k, v = info["cpu"], info["kernels"], info["versions"]
+    lines = [
+        f"cpu        {cpu['name']} ({cpu['machine']}, {cpu['cores']} cores)",
+        f"isa        {cpu['isa']}; torch uses {cpu['torch_capability']}; bfloat16 instructions: "
+        + (", ".join(cpu["bfloat16_instructions"]) or "none"),
+        f"kernels    {k['note']}" + (f" [{k['error']}]" if k["error"] else ""),
+        f"           built for {k['isa'] or '-'}; vector kernels (small_linear, paged_prefill) "
+        + ("in use" if k["vector_kernels"] else "not in use"),
+        f"threads    {info['threads']} (torch)",
+        f"versions   python {v['python']}, torch {v['torch']}, oneDNN {v['onednn'] or '-'}, "
+        f"MKL {'yes' if v['mkl'] else 'no'}",
+    ]
+    for dtype, paths in info["paths"].items():
+        default = " (default)" if dtype == info["default_dtype"] else ""
+        lines.append(f"{dtype}{default}")
+        lines += [f"  {part.replace('_', ' '):18} {path}" for part, path in paths.items()]
+    return "\n".join(lines)
+
+
+def run(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minipd info", description=__doc__.split("\n\n")[0],
+                                 formatter_class=DefaultsFormatter)  # fmt: skip
+    ap.add_argument("--json", action="store_true", help="print the same as JSON")
+    ap.add_argument("--head-dim", type=int, default=64, help="the model's head_dim (the default model's: 64)")
+    args = ap.parse_args(argv)
+    info = describe(args.head_dim)
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
