@@ -51,7 +51,8 @@ def describe(head_dim: int = 64) -> dict:
         "prefill_attention": f"minipd paged_prefill ({isa})" if cpu_kernels.paged_prefill_available(
             torch.float32, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention,
-        "decode_linears": f"minipd small_linear ({isa}) up to 2 rows, then oneDNN (prepacked)" if vectors
+        "decode_linears": f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then "
+        "oneDNN (prepacked)" if vectors
         else ("oneDNN" if onednn else "PyTorch (MKL)"),
         "prefill_linears": "oneDNN, prepacked weights" if onednn else "PyTorch (MKL)",
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",

@@ -24,7 +24,7 @@ def main() -> None:
     from minipd.models import cpu_kernels
 
     if not cpu_kernels.small_linear_available():
-        raise SystemExit("the small-row kernel is not built here (needs a compiler and AVX-512)")
+        raise SystemExit("the small-row kernel is not in use here (needs a compiler and a vector ISA: AVX-512, AVX2 or NEON; see python -m minipd info)")
     hidden, inter, kv, vocab, layers = 576, 1536, 192, 49152, 30  # SmolLM2-135M
     shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers + [
         (vocab, hidden)]  # q/k/v and gate/up stacked, as minipd holds them  # fmt: skip

@@ -220,3 +220,25 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("isa,rows", [("avx512", 2), ("avx2", 8)])
+def test_decode_rows_go_to_the_small_row_kernel_as_far_as_it_beats_onednn_on_this_isa(monkeypatch, tiny_model, isa, rows):
+    """Defect (scripts/bench_small_linear.py on the AVX2 EPYC): beside prepacked weights the small-row
+    kernel stopped at 2 rows, measured on the AVX-512 machine, while on AVX2 it reads the weights
+    faster than oneDNN's packed product at every row count to 8 (9.2 against 5.5 GB/s at 8 rows)."""
+    import torch
+
+    from minipd.models.linear import Linear, use_cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda: isa)
+    monkeypatch.setattr(cpu_kernels, "small_linear_available", lambda: True)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: nothing is prepacked")
+    try:
+        use_cpu_kernels(tiny_model, prepack=True)
+        layers = [m for m in tiny_model.modules() if isinstance(m, Linear) and m.packed is not None]
+        assert layers and all(m.small_rows == rows for m in layers)
+    finally:
+        monkeypatch.undo()
+        use_cpu_kernels(tiny_model)

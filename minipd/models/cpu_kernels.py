@@ -20,6 +20,10 @@ from minipd.models import kernel_build
 log = logging.getLogger("minipd.kernel")
 _state: dict = {}
 SMALL_LINEAR_MAX_ROWS = 8
+# rows up to which small_linear beats oneDNN's product on prepacked weights (scripts/bench_small_linear.py):
+# on the AVX-512 EPYC oneDNN packed is as fast from 3 rows; on the AVX2 EPYC small_linear is faster at
+# every row count to 8. Other ISAs are unmeasured: the kernel's own limit.
+ROWS_BESIDE_PACKED = {"avx512": 2}
 PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
 
 
@@ -45,6 +49,10 @@ def small_linear_available() -> bool:
     if "small_linear" not in _state:
         _state["small_linear"] = kernel_build.vector_kernels_usable(kernel_isa(), kernel_build.cpu_flags())
     return _state["small_linear"]
+
+
+def small_rows_beside_packed() -> int:
+    return ROWS_BESIDE_PACKED.get(kernel_isa() or "", SMALL_LINEAR_MAX_ROWS)
 
 
 def paged_prefill_available(dtype: torch.dtype, head_dim: int) -> bool:

@@ -36,8 +36,9 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     small-row kernel and oneDNN in every Linear, and the fused element-wise steps (RMSNorm,
     SiLU * up, rotary embedding) in every module that has a `fused` switch. With prepack, each
     Linear but the LM head (it is the embedding, tied) also keeps a copy of its weight in oneDNN's
-    blocked layout: prefill's products run 5-14% faster from it, and from 3 rows on oneDNN reads it
-    as fast as the small-row kernel reads the plain weights, or faster (scripts/bench_small_linear.py);
+    blocked layout: prefill's products run 5-14% faster from it, and on AVX-512 from 3 rows on oneDNN
+    reads it as fast as the small-row kernel reads the plain weights, or faster (on AVX2 it does not:
+    cpu_kernels.ROWS_BESIDE_PACKED; scripts/bench_small_linear.py);
     the cost is a second copy of the layers' weights in memory. Returns whether the small-row kernel is on."""
     p = next(model.parameters())
     cpu32 = on and p.device.type == "cpu" and p.dtype == torch.float32
@@ -52,7 +53,7 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
                 m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1024)
             elif not pack:
                 m.packed = None
-            m.small_rows = (2 if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0  # bench_small_linear.py
+            m.small_rows = (cpu_kernels.small_rows_beside_packed() if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0
             m.onednn_rows = onednn
         if hasattr(type(m), "fused"):
             m.fused = fused
