@@ -59,7 +59,7 @@ def describe(head_dim: int = 64) -> dict:
     }
     bf16 = {
         "prefill_attention": "PyTorch SDPA over the gathered KV",
-        "decode_attention": decode_attention.replace(f"{isa} vectors", "plain loops, float32 sums"),
+        "decode_attention": "minipd paged_attention, plain loops, float32 sums" if built else decode_attention,
         "decode_linears": "PyTorch (oneDNN bfloat16)",
         "prefill_linears": "PyTorch (oneDNN bfloat16)",
         "elementwise": "PyTorch operators",
