@@ -108,8 +108,14 @@ def test_auto_on_a_real_server_records_decisions_with_their_measured_outcome():
                 await stream_completions(server.url, [[5, 6, 7, 8] * 40] * 6, 40)
 
         asyncio.run(traffic())
-        time.sleep(1.6)
-        status, body = server.get("/admin/advisor")
+        # A window closes window_s after the last one's prediction ended, and a prediction takes its
+        # own time (longer on a loaded machine): wait for the window after the first decision.
+        deadline = time.monotonic() + 30
+        while True:
+            status, body = server.get("/admin/advisor")
+            if "measured_next" in (body.get("decisions") or [{}])[0] or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert status == 200 and body["enabled"] and body["decisions"]
         decided = [d for d in body["decisions"] if "predictions" in d]
         assert decided, body["decisions"]
