@@ -241,7 +241,9 @@ async def test_a_non_streaming_client_that_goes_away_frees_everything_and_logs_n
         body = b'{"prompt": [5, 6], "max_tokens": 3000, "temperature": 0, "ignore_eos": true}'
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while sum(w["inflight"] for w in s.get("/admin/workers")[1]["workers"]) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert sum(w["inflight"] for w in s.get("/admin/workers")[1]["workers"]) == 1  # it runs
         sock.close()
         wait_for_idle_workers(s, timeout=5)  # 3000 steps of 10 ms would take 30 s
