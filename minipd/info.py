@@ -14,8 +14,6 @@ from pathlib import Path
 
 from minipd.cli_help import DefaultsFormatter
 
-BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 and AMX, arm BF16
-
 
 def cpu_name() -> str:
     try:
@@ -57,16 +55,20 @@ def describe(head_dim: int = 64) -> dict:
         "prefill_linears": "oneDNN, prepacked weights" if onednn else "PyTorch (MKL)",
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
+    native_bf16 = cpu_kernels.native_bfloat16()
+    many_rows_bf16 = ("PyTorch (oneDNN bfloat16)" if native_bf16 else
+                      "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
     bf16 = {
         "prefill_attention": "PyTorch SDPA over the gathered KV",
-        "decode_attention": "minipd paged_attention, plain loops, float32 sums" if built else decode_attention,
-        "decode_linears": "PyTorch (oneDNN bfloat16)",
-        "prefill_linears": "PyTorch (oneDNN bfloat16)",
+        "decode_attention": decode_attention.replace("vectors", "vectors, float32 sums") if built else decode_attention,
+        "decode_linears": f"minipd small_linear ({isa}, bfloat16 weights, float32 sums) up to "
+        f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,
+        "prefill_linears": many_rows_bf16,
         "elementwise": "PyTorch operators",
     }
     return {
         "cpu": {"name": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
-                "isa": kernel_build.isa_label(flags), "bfloat16_instructions": [f for f in BF16_FLAGS if f in flags],
+                "isa": kernel_build.isa_label(flags), "bfloat16_instructions": kernel_build.bfloat16_instructions(flags),
                 "torch_capability": torch.backends.cpu.get_cpu_capability()},  # fmt: skip
         "kernels": {"built": built, "isa": isa, "vector_kernels": vectors, "note": build_line.removeprefix("minipd: "),
                     "error": cpu_kernels.error() or None, "forced_isa": os.environ.get(kernel_build.ISA_ENV) or None,

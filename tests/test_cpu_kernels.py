@@ -25,8 +25,9 @@ def reference_attention(q, k_cache, v_cache, tables, lens, bs):
 
 
 @pytest.mark.parametrize(
-    "dtype,tol,d,hq",  # float32 with head_dim 64 or 128 takes the vector path; others the generic one
-    [(torch.float32, 1e-5, 64, 9), (torch.float32, 1e-5, 128, 6), (torch.float32, 1e-5, 32, 9), (torch.bfloat16, 3e-2, 64, 9)],
+    "dtype,tol,d,hq",  # head_dim 64 or 128 takes the vector path (float32 or bfloat16); others the generic one
+    [(torch.float32, 1e-5, 64, 9), (torch.float32, 1e-5, 128, 6), (torch.float32, 1e-5, 32, 9),
+     (torch.bfloat16, 1e-2, 64, 9), (torch.bfloat16, 1e-2, 128, 6), (torch.bfloat16, 1e-2, 32, 9)],
 )  # fmt: skip
 def test_paged_attention_equals_gathering_each_context(dtype, tol, d, hq):
     torch.manual_seed(0)
@@ -46,6 +47,25 @@ def test_paged_attention_equals_gathering_each_context(dtype, tol, d, hq):
 
 # the kernels compute the same on every ISA they are built for (MINIPD_KERNEL_ISA=avx2 or scalar
 # builds the others on x86); whether the engine uses them is the dispatch's choice, tested below
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_small_linear_in_bfloat16_is_the_float32_product_of_the_same_values_rounded_once(rows, threads):
+    torch.manual_seed(rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in ((1537, 576), (64, 100), (3, 1536)):
+            x, w, b = (torch.randn(rows, k) * 4).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+            for bias in (b, None):
+                got = torch.ops.minipd.small_linear(x, w, bias)
+                exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                # one rounding to bfloat16 (half an ulp, 2^-9 of the value) and float32 sums
+                assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # one thread calls the rows directly, more split them
@@ -140,3 +160,28 @@ def test_fused_elementwise_steps_equal_the_eager_ones():
     assert (qkv[:, : 9 * 64].view(37, 9, 64) - want_q).abs().max() < 1e-5
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.minipd.rms_norm(x.bfloat16(), w, 1e-5)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bfloat16_model_reads_its_weights_in_the_small_row_kernel_and_widens_only_without_bf16_instructions(
+    monkeypatch, native
+):
+    """Defect: bfloat16 took none of minipd's kernels, and on a CPU without bfloat16 instructions
+    PyTorch's bfloat16 product ran 6x slower than float32 (oneDNN refuses it there)."""
+    from minipd.models.linear import Linear
+    from minipd.models.loader import load_model
+
+    monkeypatch.setattr(cpu_kernels, "native_bfloat16", lambda: native)
+    model = load_model("tiny-random", torch.bfloat16, "cpu")
+    assert use_cpu_kernels(model) == cpu_kernels.small_linear_available()
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    want_rows = cpu_kernels.SMALL_LINEAR_MAX_ROWS if cpu_kernels.small_linear_available() else 0
+    assert all(m.small_rows == want_rows and m.packed is None and m.widen is not native for m in linears)
+    torch.manual_seed(0)
+    for rows in (1, 8, 9, 300):  # small-row kernel, then many rows (widened where no instructions)
+        m = linears[0]
+        x = torch.randn(rows, m.in_features).bfloat16()
+        got = m(x)
+        exact = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
+        assert got.dtype == torch.bfloat16
+        assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all()

@@ -51,6 +51,10 @@ def small_linear_available() -> bool:
     return _state["small_linear"]
 
 
+def native_bfloat16() -> bool:
+    return bool(kernel_build.bfloat16_instructions(kernel_build.cpu_flags()))
+
+
 def small_rows_beside_packed() -> int:
     return ROWS_BESIDE_PACKED.get(kernel_isa() or "", SMALL_LINEAR_MAX_ROWS)
 

@@ -39,6 +39,16 @@ def parse_cpu_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 AVX512-BF16 and AMX, arm BF16
+
+
+def bfloat16_instructions(flags: frozenset[str]) -> list[str]:
+    """The CPU's bfloat16 product instructions: where there are none, oneDNN's bfloat16 GEMM is
+    several times slower than float32 (or refuses), so minipd widens bfloat16 weights to float32
+    for products of many rows."""
+    return [f for f in BF16_FLAGS if f in flags]
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     try:

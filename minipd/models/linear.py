@@ -1,8 +1,8 @@
 """nn.Linear, except that the few rows of a decode step go through minipd's CPU kernel, which
-streams the weights at close to memory speed (float32, AVX-512, AVX2 or NEON; see csrc/small_linear.cpp), the
-many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32 GEMM takes a path without
-AVX-512: 100 GFLOP/s against oneDNN's 240 on one core here), and that it can hold its weights as
-int8 (weight-only quantization, opt-in)."""
+streams the weights at close to memory speed (float32 or bfloat16, AVX-512, AVX2 or NEON; see
+csrc/small_linear.cpp), the many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32
+GEMM takes a path without AVX-512: 100 GFLOP/s against oneDNN's 240 on one core here), and that it
+can hold its weights as int8 (weight-only quantization, opt-in)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from minipd.models import cpu_kernels
 class Linear(nn.Linear):
     small_rows = 0  # rows up to which the small-row kernel runs (0: off); set by use_cpu_kernels()
     onednn_rows = False  # set by use_cpu_kernels()
+    widen = False  # bfloat16 weights widened to float32 for a product of many rows; set by use_cpu_kernels()
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prefill), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights (N, K) int8, per-row scales bf16), or None
 
@@ -28,23 +29,32 @@ class Linear(nn.Linear):
         if self.onednn_rows and x.dim() == 2:
             w = self.weight if self.packed is None else self.packed
             return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
+        if self.widen:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
 def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> bool:
-    """Turn minipd's CPU kernels on (or off) for a float32 CPU model, where they are built: the
-    small-row kernel and oneDNN in every Linear, and the fused element-wise steps (RMSNorm,
-    SiLU * up, rotary embedding) in every module that has a `fused` switch. With prepack, each
-    Linear but the LM head (it is the embedding, tied) also keeps a copy of its weight in oneDNN's
-    blocked layout: prefill's products run 5-14% faster from it, and on AVX-512 from 3 rows on oneDNN
-    reads it as fast as the small-row kernel reads the plain weights, or faster (on AVX2 it does not:
-    cpu_kernels.ROWS_BESIDE_PACKED; scripts/bench_small_linear.py);
-    the cost is a second copy of the layers' weights in memory. Returns whether the small-row kernel is on."""
+    """Turn minipd's CPU kernels on (or off) for a float32 or bfloat16 CPU model, where they are
+    built: the small-row kernel in every Linear (both dtypes), oneDNN and the fused element-wise
+    steps (RMSNorm, SiLU * up, rotary embedding) in every module that has a `fused` switch (float32).
+    With prepack, each float32 Linear but the LM head (it is the embedding, tied) also keeps a copy
+    of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it, and on
+    AVX-512 from 3 rows on oneDNN reads it as fast as the small-row kernel reads the plain weights,
+    or faster (on AVX2 it does not: cpu_kernels.ROWS_BESIDE_PACKED; scripts/bench_small_linear.py);
+    the cost is a second copy of the layers' weights in memory. On a CPU without bfloat16
+    instructions, a bfloat16 product of many rows widens the weights to float32 for the call
+    (PyTorch's bfloat16 product runs 6x slower there than float32). Returns whether the
+    small-row kernel is on."""
     p = next(model.parameters())
-    cpu32 = on and p.device.type == "cpu" and p.dtype == torch.float32
-    small = cpu32 and cpu_kernels.small_linear_available()
+    cpu = on and p.device.type == "cpu"
+    cpu32 = cpu and p.dtype == torch.float32
+    bf16 = cpu and p.dtype == torch.bfloat16
+    small = (cpu32 or bf16) and cpu_kernels.small_linear_available()
     onednn = cpu32 and torch.backends.mkldnn.is_available()
     fused = cpu32 and cpu_kernels.available()
+    widen = bf16 and not cpu_kernels.native_bfloat16()
     head = getattr(model, "lm_head", None)
     for m in model.modules():
         if isinstance(m, Linear):
@@ -55,6 +65,7 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
                 m.packed = None
             m.small_rows = (cpu_kernels.small_rows_beside_packed() if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0
             m.onednn_rows = onednn
+            m.widen = widen
         if hasattr(type(m), "fused"):
             m.fused = fused
     return small

@@ -87,66 +87,86 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-// The float32 path over vec.h, head_dim D a multiple of the lanes L: per kv head, each K row is
-// read once for the G query heads that share it, the softmax runs L scores at a time, and each V
-// row is added into D / L accumulators held in registers.
-template <int D>
-void run_f32(const float* qp, const float* kp, const float* vp, const int64_t* bt, const int64_t* seq,
-             const int64_t* pos, int64_t T, int64_t Hq, int64_t Hkv, int64_t W, int64_t block_size, float scale,
-             float* op) {
+// The vector path over vec.h, float32 or bfloat16 (E: q, caches and output; float32 sums), head_dim
+// D a multiple of the lanes L. The cache is read in its own order, a block of slots (a slot: every
+// kv head of one position) at a time, with the next block asked for meanwhile: first every key, for
+// the scores of all query heads; then the softmax; then every value, added into D / L accumulators
+// per query head, held in registers while the block is hot.
+template <int D, typename E>
+void run_vec(const E* qp, const E* kp, const E* vp, const int64_t* bt, const int64_t* seq, const int64_t* pos,
+             int64_t T, int64_t Hq, int64_t Hkv, int64_t W, int64_t bs, float scale, E* op) {
   using minipd_vec::Vec;
-  constexpr int L = Vec::L, X = D / L, AHEAD = 16;  // keys prefetched ahead
+  constexpr int L = Vec::L, X = D / L;
+  constexpr int LINE = 64 / sizeof(E);  // elements in a cache line
   const int64_t G = Hq / Hkv, row = Hkv * D;
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const float*> krows, vrows;
+    std::vector<float> scores, qf(Hq * D), acc(Hq * D), inv(Hq);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t Lk = pos[t] + 1, Lp = (Lk + L - 1) / L * L;
       const int64_t* table = bt + seq[t] * W;
-      scores.assign(G * Lp, 0.f);
-      krows.resize(Lk);
-      vrows.resize(Lk);
-      for (int64_t h = 0; h < Hkv; ++h) {
-        for (int64_t p = 0; p < Lk; ++p) {
-          const int64_t off = (table[p / block_size] * block_size + p % block_size) * row + h * D;
-          krows[p] = kp + off;
-          vrows[p] = vp + off;
-        }
-        const float* q = qp + (t * Hq + h * G) * D;
-        for (int64_t g = 0; g < G; ++g) {  // scores, then softmax, of query head h * G + g
-          Vec qv[X];
-          for (int x = 0; x < X; ++x) qv[x] = Vec::load(q + g * D + L * x) * Vec::set1(scale);
-          float* sc = scores.data() + g * Lp;
-          for (int64_t p = 0; p < Lk; ++p) {
-            if (g == 0 && p + AHEAD < Lk)  // the cache is read from memory once, so ask for it early
-              for (int x = 0; x < X; x += 16 / L) minipd_vec::prefetch(krows[p + AHEAD] + L * x);
-            Vec acc = qv[0] * Vec::load(krows[p]);
-            for (int x = 1; x < X; ++x) acc = minipd_vec::fmadd(qv[x], Vec::load(krows[p] + L * x), acc);
-            sc[p] = minipd_vec::reduce_add(acc);
+      scores.resize(Hq * Lp);
+      for (int64_t i = 0; i < Hq * D; i += L) (Vec::load(qp + t * Hq * D + i) * Vec::set1(scale)).store(qf.data() + i);
+      for (int64_t b = 0, p0 = 0; p0 < Lk; ++b, p0 += bs) {  // keys: each slot read and widened once
+        const int64_t p1 = std::min(Lk, p0 + bs), ahead = std::min(bs, Lk - p1);
+        const E* block = kp + table[b] * bs * row;
+        const E* next = ahead > 0 ? kp + table[b + 1] * bs * row : nullptr;
+        for (int64_t p = p0; p < p1; ++p) {
+          const E* kr = block + (p - p0) * row;
+          if (p - p0 < ahead)  // the same slot of the next block: the cache comes from memory once
+            for (int64_t i = 0; i < row; i += LINE) minipd_vec::prefetch(next + (p - p0) * row + i);
+          for (int64_t h = 0; h < Hkv; ++h) {
+            Vec k[X];
+            for (int x = 0; x < X; ++x) k[x] = Vec::load(kr + h * D + L * x);
+            for (int64_t g = 0; g < G; ++g) {
+              const float* qg = qf.data() + (h * G + g) * D;
+              Vec c0 = Vec::load(qg) * k[0], c1 = Vec::load(qg + L) * k[1];  // two chains of FMAs, not one
+              for (int x = 2; x < X; x += 2) {
+                c0 = minipd_vec::fmadd(Vec::load(qg + L * x), k[x], c0);
+                c1 = minipd_vec::fmadd(Vec::load(qg + L * (x + 1)), k[x + 1], c1);
+              }
+              scores[(h * G + g) * Lp + p] = minipd_vec::reduce_add(c0 + c1);
+            }
           }
-          for (int64_t p = Lk; p < Lp; ++p) sc[p] = -1e30f;  // padding: e^(-1e30 - max) is 0
-          Vec mx = Vec::set1(-1e30f);
-          for (int64_t p = 0; p < Lp; p += L) mx = minipd_vec::max(mx, Vec::load(sc + p));
-          const Vec m = Vec::set1(minipd_vec::reduce_max(mx));
-          Vec sum = Vec::zero();
-          for (int64_t p = 0; p < Lp; p += L) {
-            const Vec e = minipd_vec::exp(Vec::load(sc + p) - m);
-            e.store(sc + p);
-            sum = sum + e;
-          }
-          const float inv = 1.f / minipd_vec::reduce_add(sum);
-          Vec acc[X];
-          for (int x = 0; x < X; ++x) acc[x] = Vec::zero();
-          for (int64_t p = 0; p < Lk; ++p) {
-            if (g == 0 && p + AHEAD < Lk)
-              for (int x = 0; x < X; x += 16 / L) minipd_vec::prefetch(vrows[p + AHEAD] + L * x);
-            const Vec w = Vec::set1(sc[p]);
-            for (int x = 0; x < X; ++x) acc[x] = minipd_vec::fmadd(w, Vec::load(vrows[p] + L * x), acc[x]);
-          }
-          float* o = op + (t * Hq + h * G + g) * D;
-          for (int x = 0; x < X; ++x) (acc[x] * Vec::set1(inv)).store(o + L * x);
         }
       }
+      for (int64_t hq = 0; hq < Hq; ++hq) {  // softmax per query head
+        float* sc = scores.data() + hq * Lp;
+        for (int64_t p = Lk; p < Lp; ++p) sc[p] = -1e30f;  // padding: e^(-1e30 - max) is 0
+        Vec mx = Vec::set1(-1e30f);
+        for (int64_t p = 0; p < Lp; p += L) mx = minipd_vec::max(mx, Vec::load(sc + p));
+        const Vec m = Vec::set1(minipd_vec::reduce_max(mx));
+        Vec sum = Vec::zero();
+        for (int64_t p = 0; p < Lp; p += L) {
+          const Vec e = minipd_vec::exp(Vec::load(sc + p) - m);
+          e.store(sc + p);
+          sum = sum + e;
+        }
+        inv[hq] = 1.f / minipd_vec::reduce_add(sum);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b = 0, p0 = 0; p0 < Lk; ++b, p0 += bs) {  // values
+        const int64_t p1 = std::min(Lk, p0 + bs);
+        const E* block = vp + table[b] * bs * row;
+        if (p1 < Lk) {
+          const E* next = vp + table[b + 1] * bs * row;
+          for (int64_t i = 0; i < std::min(bs, Lk - p1) * row; i += LINE) minipd_vec::prefetch(next + i);
+        }
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          float* a = acc.data() + hq * D;
+          const E* v = block + (hq / G) * D;
+          const float* sc = scores.data() + hq * Lp;
+          Vec s[X];
+          for (int x = 0; x < X; ++x) s[x] = Vec::load(a + L * x);
+          for (int64_t p = p0; p < p1; ++p) {
+            const Vec w = Vec::set1(sc[p]);
+            for (int x = 0; x < X; ++x) s[x] = minipd_vec::fmadd(w, Vec::load(v + (p - p0) * row + L * x), s[x]);
+          }
+          for (int x = 0; x < X; ++x) s[x].store(a + L * x);
+        }
+      }
+      for (int64_t hq = 0; hq < Hq; ++hq)
+        for (int x = 0; x < X; ++x)
+          minipd_vec::store(Vec::load(acc.data() + hq * D + L * x) * Vec::set1(inv[hq]), op + (t * Hq + hq) * D + L * x);
     }
   });
 }
@@ -163,15 +183,23 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   auto ps = pos_of_token.to(at::kLong).contiguous();
   auto out = at::empty_like(qc);
   const int64_t D = qc.size(2);
-  if (qc.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && (D == 64 || D == 128)) {
-    auto go = [&](auto d) {
-      run_f32<decltype(d)::value>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                                  bt.data_ptr<int64_t>(), sq.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), qc.size(0),
-                                  qc.size(1), k_cache.size(1), bt.size(1), block_size, static_cast<float>(scale),
-                                  out.data_ptr<float>());
+  const auto dtype = qc.scalar_type();
+  const bool vec = (dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+                   v_cache.scalar_type() == dtype && (D == 64 || D == 128);
+  if (vec) {
+    auto go = [&](auto d, auto* typed) {
+      using E = std::remove_pointer_t<decltype(typed)>;
+      auto ptr = [](const at::Tensor& x) { return reinterpret_cast<E*>(x.data_ptr()); };
+      run_vec<decltype(d)::value, E>(ptr(qc), ptr(k_cache), ptr(v_cache), bt.data_ptr<int64_t>(), sq.data_ptr<int64_t>(),
+                                     ps.data_ptr<int64_t>(), qc.size(0), qc.size(1), k_cache.size(1), bt.size(1),
+                                     block_size, static_cast<float>(scale), ptr(out));
     };
-    if (D == 64) go(std::integral_constant<int, 64>());
-    else go(std::integral_constant<int, 128>());
+    auto width = [&](auto* typed) {
+      if (D == 64) go(std::integral_constant<int, 64>(), typed);
+      else go(std::integral_constant<int, 128>(), typed);
+    };
+    if (dtype == at::kFloat) width(static_cast<float*>(nullptr));
+    else width(static_cast<uint16_t*>(nullptr));
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {

@@ -1,7 +1,8 @@
-// y = x @ w^T (+ bias) for the few rows of a decode step (M <= 8), float32, over vec.h (AVX-512,
-// AVX2, NEON): each row of w is streamed from memory once, prefetched ahead, and meets all M rows
-// of x while in registers. At batch 1 to 8 this reads the weights at close to the memory's speed,
-// where a general GEMM falls well short.
+// y = x @ w^T (+ bias) for the few rows of a decode step (M <= 8), float32 or bfloat16 (float32
+// sums), over vec.h (AVX-512, AVX2, NEON): each row of w is streamed from memory once, prefetched
+// ahead, and meets all M rows of x (as float32) while in registers. At batch 1 to 8 this reads the
+// weights at close to the memory's speed, where a general GEMM falls well short; bfloat16 weights
+// are half the bytes, widened in registers (exact), so no CPU needs bfloat16 instructions for it.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,10 +20,11 @@ constexpr int L = Vec::L;
 // The AVX-512 shape per M is the best of a sweep over R, U and AHEAD on the default model's weights
 // in step order (one thread, a 2-core AMD EPYC); with 16 registers (AVX2) M x R x U accumulators
 // must leave room for R weight vectors and one of x. scripts/bench_small_linear.py measures them.
-template <int M, int R, int U, int AHEAD>
-void rows_of(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, int64_t n0,
-             int64_t n1) {
-  const int64_t ahead = AHEAD > 0 ? AHEAD / 4 : -AHEAD * K;  // in floats
+template <int M, int R, int U, int AHEAD, typename W>
+void rows_of(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  using minipd_vec::to_float;
+  constexpr int LINE = 64 / sizeof(W);  // elements of w in a cache line
+  const int64_t ahead = AHEAD > 0 ? AHEAD / static_cast<int64_t>(sizeof(W)) : -AHEAD * K;  // in elements
   int64_t n = n0;
   for (; n + R <= n1; n += R) {
     Vec acc[M][R][U];
@@ -34,8 +36,8 @@ void rows_of(const float* x, const float* w, const float* bias, float* y, int64_
       for (int u = 0; u < U; ++u) {
         Vec wv[R];
         for (int r = 0; r < R; ++r) {
-          const float* p = w + (n + r) * K + k + L * u;
-          if ((L * u) % 16 == 0) minipd_vec::prefetch(p + ahead);  // once per 64-byte line
+          const W* p = w + (n + r) * K + k + L * u;
+          if ((L * u) % LINE == 0) minipd_vec::prefetch(p + ahead);  // about once per line
           wv[r] = Vec::load(p);
         }
         for (int m = 0; m < M; ++m) {
@@ -49,43 +51,28 @@ void rows_of(const float* x, const float* w, const float* bias, float* y, int64_
         Vec total = acc[m][r][0];
         for (int u = 1; u < U; ++u) total = total + acc[m][r][u];
         float s = minipd_vec::reduce_add(total);
-        for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * w[(n + r) * K + kk];
+        for (int64_t kk = k; kk < K; ++kk) s += x[m * K + kk] * to_float(w[(n + r) * K + kk]);
         y[m * N + n + r] = s + (bias ? bias[n + r] : 0.f);
       }
   }
   for (; n < n1; ++n)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t kk = 0; kk < K; ++kk) s += x[m * K + kk] * w[n * K + kk];
+      for (int64_t kk = 0; kk < K; ++kk) s += x[m * K + kk] * to_float(w[n * K + kk]);
       y[m * N + n] = s + (bias ? bias[n] : 0.f);
     }
 }
 
-template <int M, int R, int U, int AHEAD>
-void run(const float* x, const float* w, const float* b, float* y, int64_t N, int64_t K) {
+template <int M, int R, int U, int AHEAD, typename W>
+void run(const float* x, const W* w, const float* b, float* y, int64_t N, int64_t K) {
   // called directly on one thread: through parallel_for's lambda the compiler keeps less in
   // registers (measured 1.8x slower at 8 rows)
   if (at::get_num_threads() == 1) return rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, 0, N);
   at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) { rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1); });
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K), w (N, K)");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "1 to 8 rows");
-  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
-  auto xc = x.contiguous();
-  const int64_t M = xc.size(0), N = w.size(0), K = w.size(1);
-  auto y = at::empty({M, N}, xc.options());
-  at::Tensor bc;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    bp = bc.data_ptr<float>();
-  }
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename W>
+void rows(int64_t M, const float* xp, const W* wp, const float* bp, float* yp, int64_t N, int64_t K) {
   if (Vec::REGISTERS >= 32) {
     switch (M) {
       case 1: run<1, 1, 4, 4096>(xp, wp, bp, yp, N, K); break;
@@ -109,7 +96,32 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
       default: run<8, 1, 1, -4>(xp, wp, bp, yp, N, K); break;
     }
   }
-  return y;
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K), w (N, K)");
+  const auto dtype = w.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(x.scalar_type() == dtype, "x and w of one dtype");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= MAX_ROWS, "1 to 8 rows");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  // x and the bias are small: read as float32 (exact for bfloat16); y rounds once, at the end
+  auto xf = x.to(at::kFloat).contiguous();
+  auto y = at::empty({M, N}, xf.options());
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  if (dtype == at::kFloat) {
+    rows(M, xf.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), N, K);
+    return y;
+  }
+  rows(M, xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(),
+       N, K);
+  return y.to(at::kBFloat16);
 }
 
 // the instruction set the kernels were built for (vec.h): "avx512", "avx2", "neon" or "scalar"

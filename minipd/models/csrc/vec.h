@@ -1,14 +1,16 @@
-// minipd's portable vector layer: one float vector type, `Vec`, of Vec::L lanes, for the instruction
-// set the kernels are compiled for (kernel_build.py: -march=native, or MINIPD_KERNEL_ISA): AVX-512
-// (16 lanes), AVX2 with FMA (8), NEON (4), or plain C++ (1 lane, for any other CPU). Each kernel
-// is written once over it. The operations are the few the kernels need; exp is the same degree-6
-// polynomial on every ISA (about 1 ulp), so results agree across builds up to the order of sums.
+// minipd's portable vector layer: one float vector type, `Vec`, of Vec::L lanes, loaded from float32
+// or bfloat16, for the instruction set the kernels are compiled for (kernel_build.py: -march=native,
+// or MINIPD_KERNEL_ISA): AVX-512 (16 lanes), AVX2 with FMA (8), NEON (4), or plain C++ (1 lane, for
+// any other CPU). Each kernel is written once over it. The operations are the few the kernels need;
+// exp is the same degree-6 polynomial on every ISA (about 1 ulp), so results agree across builds up
+// to the order of sums.
 // ATen's at::vec::Vectorized was the other choice: its fast exp (exp_u20) is accurate to 20 ulp,
 // and the kernels need lane-count-aware tiles anyway.
 #pragma once
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,6 +35,9 @@ struct Vec {
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec set1(float x) { return {_mm512_set1_ps(x)}; }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) {  // bfloat16: its bits are a float32's high half
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 };
 inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
@@ -57,6 +62,9 @@ struct Vec {
   static Vec zero() { return {_mm256_setzero_ps()}; }
   static Vec set1(float x) { return {_mm256_set1_ps(x)}; }
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
 };
 inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
@@ -99,6 +107,7 @@ struct Vec {
   static Vec zero() { return {vdupq_n_f32(0.f)}; }
   static Vec set1(float x) { return {vdupq_n_f32(x)}; }
   static Vec load(const float* p) { return {vld1q_f32(p)}; }
+  static Vec load(const uint16_t* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
   void store(float* p) const { vst1q_f32(p, v); }
 };
 inline Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
@@ -130,6 +139,7 @@ struct Vec {
   static Vec zero() { return {0.f}; }
   static Vec set1(float x) { return {x}; }
   static Vec load(const float* p) { return {*p}; }
+  static Vec load(const uint16_t* p);
   void store(float* p) const { *p = v; }
 };
 inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
@@ -146,6 +156,31 @@ inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
 #endif
+
+// bfloat16, held as its bits (uint16_t): a float32's high half. Loads widen exactly; a store rounds
+// to nearest even, as c10::BFloat16 and transformers do.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void from_float(float x, float* p) { *p = x; }
+inline void from_float(float x, uint16_t* p) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  *p = std::isnan(x) ? 0x7fc0 : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__)) && !(defined(__ARM_NEON) && defined(__aarch64__))
+inline Vec Vec::load(const uint16_t* p) { return {to_float(*p)}; }
+#endif
+inline void store(Vec v, float* p) { v.store(p); }
+inline void store(Vec v, uint16_t* p) {
+  float f[Vec::L];
+  v.store(f);
+  for (int i = 0; i < Vec::L; ++i) from_float(f[i], p + i);
+}
 
 // e^x: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, and a degree-6 Taylor polynomial for e^r
 inline Vec exp(Vec x) {
