@@ -1,5 +1,6 @@
 """minipd's engine against Hugging Face transformers on the same model, dtype and thread count,
-side by side in one run (alternating rounds, best of each, as the machine is noisy).
+side by side in one run (alternating rounds, best of each, as the machine is noisy); or, with
+--against float32, minipd in --dtype against minipd's own float32.
 
 Rows: prefill (512 and 2048 tokens) and decode at batch 1, 8 and 32 with contexts of 512 and
 2048 tokens, mixed in a batch. Each row prints tokens/s for both, the ratio minipd/HF, and the
@@ -11,6 +12,7 @@ measured matmul rate (attention's own FLOPs are not counted: a 2,048-token promp
 About 5-10 minutes on 2 cores with the default model.
 
     python scripts/bench_engine.py --threads 1
+    python scripts/bench_engine.py --dtype bfloat16 --against float32
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ def parse_args():
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its best")
     ap.add_argument("--batches", default="1,8,32", help="decode batch sizes")
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, one round")
+    ap.add_argument("--against", default="transformers", choices=["transformers", "float32"],
+                    help="the other side: transformers in --dtype, or minipd itself in float32")  # fmt: skip
     return ap.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    import functools
     import random
     import time
 
@@ -75,15 +80,20 @@ def main() -> None:
         a, w = torch.randn(2048, 576, dtype=dtype, device=dev), torch.randn(1536, 576, dtype=dtype, device=dev)
         fns = [lambda: a @ w.t()]
         if dev.type == "cpu" and torch.backends.mkldnn.is_available():
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 2048)
-            fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
-            fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+            try:  # oneDNN takes bfloat16 only where the CPU converts it (AVX-512 or AVX-NE-CONVERT)
+                packed = torch.ops.mkldnn._reorder_linear_weight(w, 2048)
+                fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], ""))
+                fns.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+            except RuntimeError:
+                pass
         return max(2 * 2048 * 576 * 1536 / best_of(fn, 5) for fn in fns)
 
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = load_model(args.model, dtype, args.device)
-    hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).to(dev).eval()
+    if args.against == "transformers":
+        hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).to(dev).eval()
+    other = "HF" if args.against == "transformers" else "f32"
     cfg = model.config
     layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     all_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
@@ -93,7 +103,7 @@ def main() -> None:
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}  {args.dtype}  {args.device}  threads {args.threads}  "
           f"weights {all_params * esize / 1e6:.0f} MB  KV {kv_per_token / 1e3:.1f} kB/token")  # fmt: skip
     print(f"measured here: read bandwidth {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s")
-    print(f"{'what':<34}{'minipd':>10}{'HF':>10}{'ratio':>8}{'floor':>10}{'of floor':>10}")
+    print(f"{'what':<34}{'minipd':>10}{other:>10}{'ratio':>8}{'floor':>10}{'of floor':>10}")
 
     def row(name: str, m: float, h: float, floor: float) -> None:
         print(f"{name:<34}{m:>10.1f}{h:>10.1f}{m / h:>8.2f}{floor:>10.1f}{100 * m / floor:>9.0f}%", flush=True)
@@ -105,11 +115,14 @@ def main() -> None:
             rb.append(b())
         return max(ra), max(rb)
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                 kv_cache_tokens=max(batches) * 2064 + 64,
-                                 max_num_seqs=max(batches), max_num_batched_tokens=4096), model=model)  # fmt: skip
+    def make_engine(model, dtype_name: str) -> Engine:
+        return Engine(EngineConfig(model=args.model, dtype=dtype_name, device=args.device,
+                                   kv_cache_tokens=max(batches) * 2064 + 64,
+                                   max_num_seqs=max(batches), max_num_batched_tokens=4096), model=model)  # fmt: skip
 
-    def minipd_prefill(n: int) -> float:
+    engine = make_engine(model, args.dtype)
+
+    def minipd_prefill(n: int, engine=engine) -> float:
         def run():
             engine.add_request("p", list(range(100, 100 + n)), SamplingParams(max_tokens=1, temperature=0))
             engine.step()
@@ -128,7 +141,7 @@ def main() -> None:
         rng = random.Random(batch * longest)
         return [longest] + [rng.randint(512, longest) for _ in range(batch - 1)] if longest > 512 else [512] * batch
 
-    def minipd_decode(ctx: list[int]) -> float:
+    def minipd_decode(ctx: list[int], engine=engine) -> float:
         for i, n in enumerate(ctx):
             engine.add_request(f"d{i}", [100 + (i + j) % 40000 for j in range(n)],
                                SamplingParams(max_tokens=args.steps + 4, temperature=0, ignore_eos=True))  # fmt: skip
@@ -164,14 +177,20 @@ def main() -> None:
         sync()
         return len(ctx) * args.steps / (time.perf_counter() - t)
 
+    other_prefill, other_decode = hf_prefill, hf_decode
+    if args.against == "float32":
+        engine32 = make_engine(load_model(args.model, torch.float32, args.device), "float32")
+        other_prefill = functools.partial(minipd_prefill, engine=engine32)
+        other_decode = functools.partial(minipd_decode, engine=engine32)
+
     with torch.inference_mode():
         for n in (512, 2048):
-            m, h = alternate(lambda: minipd_prefill(n), lambda: hf_prefill(n))
+            m, h = alternate(lambda: minipd_prefill(n), lambda: other_prefill(n))
             row(f"prefill {n} tok/s", m, h, rate / (2 * layer_params))
         for b in batches:
             for longest in (512, 2048):
                 ctx = contexts(b, longest)
-                m, h = alternate(lambda: minipd_decode(ctx), lambda: hf_decode(ctx))
+                m, h = alternate(lambda: minipd_decode(ctx), lambda: other_decode(ctx))
                 step_bytes = all_params * esize + sum(ctx) * kv_per_token
                 what = f"decode b={b} ctx {min(ctx)}-{max(ctx)} tok/s"
                 row(what, m, h, b * bw / step_bytes)
