@@ -76,9 +76,13 @@ def main() -> None:
 
     def matmul_rate() -> float:
         """The fastest of the BLAS torch uses (MKL on CPU) and oneDNN with plain or prepacked
-        weights, on a prefill-shaped product."""
+        weights, on a prefill-shaped product; for bfloat16 on a CPU, float32's as well (where the
+        CPU has no bfloat16 instructions, minipd widens the weights and runs float32's product)."""
         a, w = torch.randn(2048, 576, dtype=dtype, device=dev), torch.randn(1536, 576, dtype=dtype, device=dev)
         fns = [lambda: a @ w.t()]
+        if dev.type == "cpu" and dtype != torch.float32:
+            a32, w32 = a.float(), w.float()
+            fns.append(lambda: a32 @ w32.t())
         if dev.type == "cpu" and torch.backends.mkldnn.is_available():
             try:  # oneDNN takes bfloat16 only where the CPU converts it (AVX-512 or AVX-NE-CONVERT)
                 packed = torch.ops.mkldnn._reorder_linear_weight(w, 2048)
