@@ -158,8 +158,35 @@ def test_fused_elementwise_steps_equal_the_eager_ones():
     torch.ops.minipd.rope_(q, k, cos, sin)  # in place, through the views
     assert (q - want_q).abs().max() < 1e-5 and (k - want_k).abs().max() < 1e-5
     assert (qkv[:, : 9 * 64].view(37, 9, 64) - want_q).abs().max() < 1e-5
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.minipd.rms_norm(x.bfloat16(), w, 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.minipd.rms_norm(x.half(), w.half(), 1e-5)
+
+
+def test_fused_elementwise_steps_in_bfloat16_round_as_the_eager_ones_do():
+    from minipd.models.llama import RMSNorm
+    from minipd.models.rope import apply_rope
+
+    torch.manual_seed(0)
+    x = (torch.randn(37, 576) * 3).bfloat16()
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    norm.weight.data = torch.randn(576).bfloat16()
+    eager = norm(x)
+    got = torch.ops.minipd.rms_norm(x, norm.weight, 1e-5)
+    assert got.dtype == torch.bfloat16 and (got.float() - eager.float()).abs().max() <= eager.float().abs().max() * 2**-7
+    gate_up = (torch.randn(37, 2 * 1539) * 6).bfloat16()
+    gate, up = gate_up.split(1539, dim=-1)
+    eager = F.silu(gate) * up
+    got = torch.ops.minipd.silu_and_mul(gate, up)
+    assert got.dtype == torch.bfloat16 and ((got.float() - eager.float()).abs() <= eager.float().abs() * 2**-7 + 1e-6).all()
+    qkv = torch.randn(37, (9 + 3 + 3) * 64).bfloat16()
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    q, k = q.view(37, 9, 64), k.view(37, 3, 64)
+    cos, sin = torch.randn(37, 1, 64).bfloat16(), torch.randn(37, 1, 64).bfloat16()
+    want_q, want_k = apply_rope(q, k, cos, sin)
+    exact_q, _ = apply_rope(q.double(), k.double(), cos.double(), sin.double())
+    torch.ops.minipd.rope_(q, k, cos, sin)
+    assert (q.double() - exact_q).abs().max() <= (want_q.double() - exact_q).abs().max()  # one rounding, not three
+    assert (k.float() - want_k.float()).abs().max() < 0.1
 
 
 @pytest.mark.parametrize("native", [False, True])
@@ -177,6 +204,7 @@ def test_a_bfloat16_model_reads_its_weights_in_the_small_row_kernel_and_widens_o
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     want_rows = cpu_kernels.SMALL_LINEAR_MAX_ROWS if cpu_kernels.small_linear_available() else 0
     assert all(m.small_rows == want_rows and m.packed is None and m.widen is not native for m in linears)
+    assert all(m.fused == cpu_kernels.available() for m in model.modules() if hasattr(type(m), "fused"))
     torch.manual_seed(0)
     for rows in (1, 8, 9, 300):  # small-row kernel, then many rows (widened where no instructions)
         m = linears[0]

@@ -1,97 +1,153 @@
-// The element-wise steps of a Llama layer in one pass each, float32 (the compiler vectorizes the
-// plain loops; SiLU is over vec.h): RMSNorm, SiLU(gate) * up, and rotary embedding of q and k
-// in place. In eager PyTorch each of these is 3 to 8 operators, each a pass over the activations.
+// The element-wise steps of a Llama layer in one pass each, float32 or bfloat16 (float32 inside;
+// the compiler vectorizes the plain float32 loops; SiLU is over vec.h): RMSNorm, SiLU(gate) * up,
+// and rotary embedding of q and k in place. In eager PyTorch each of these is 3 to 8 operators,
+// each a pass over the activations.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <type_traits>
 #include "vec.h"
 
 namespace {
 
-void check_float_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, name, ": float32 only");
+using minipd_vec::from_float;
+using minipd_vec::to_float;
+using minipd_vec::Vec;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": (rows, columns) with contiguous rows");
 }
 
-// weight * (x / sqrt(mean(x^2) + eps)), in the order transformers' LlamaRMSNorm rounds it
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_float_rows(x, "rms_norm");
+// E's storage: float, or bfloat16 as its bits
+template <typename E>
+E* data(const at::Tensor& x) {
+  return reinterpret_cast<E*>(x.data_ptr());
+}
+
+// v rounded to E and back: what an eager operator in E hands the next one
+template <typename E>
+inline float rounded(float v) {
+  E e;
+  from_float(v, &e);
+  return to_float(e);
+}
+
+// weight * (x / sqrt(mean(x^2) + eps)), in the order transformers' LlamaRMSNorm rounds it: the
+// normalized x in E, then the product with the weight
+template <typename E>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& y) {
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
-  TORCH_CHECK(weight.numel() == H && weight.is_contiguous() && weight.scalar_type() == at::kFloat, "rms_norm: weight (H,)");
-  auto y = at::empty({T, H}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const E* xp = data<E>(x);
+  const E* wp = data<E>(weight);
+  E* yp = data<E>(y);
   at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* xr = xp + t * ld;
+      const E* xr = xp + t * ld;
       float ss = 0.f;
-      for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+      for (int64_t i = 0; i < H; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
       const float inv = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
-      float* yr = yp + t * H;
-      for (int64_t i = 0; i < H; ++i) yr[i] = wp[i] * (xr[i] * inv);
+      E* yr = yp + t * H;
+      for (int64_t i = 0; i < H; ++i) from_float(to_float(wp[i]) * rounded<E>(to_float(xr[i]) * inv), yr + i);
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight (H,) of x's dtype");
+  auto y = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat) rms_norm_rows<float>(x, weight, eps, y);
+  else rms_norm_rows<uint16_t>(x, weight, eps, y);
   return y;
 }
 
-// silu(gate) * up
-at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_float_rows(gate, "silu_and_mul");
-  check_float_rows(up, "silu_and_mul");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_and_mul: gate and up of one shape");
+// silu(gate) * up, rounded to E between the two as eager F.silu(gate) * up is
+template <typename E>
+void silu_and_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& y) {
   const int64_t T = gate.size(0), N = gate.size(1), lg = gate.stride(0), lu = up.stride(0);
-  auto y = at::empty({T, N}, gate.options());
-  const float* gp = gate.data_ptr<float>();
-  const float* up_ = up.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const E* gp = data<E>(gate);
+  const E* up_ = data<E>(up);
+  E* yp = data<E>(y);
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float* g = gp + t * lg;
-      const float* u = up_ + t * lu;
-      float* o = yp + t * N;
+      const E* g = gp + t * lg;
+      const E* u = up_ + t * lu;
+      E* o = yp + t * N;
       int64_t i = 0;
-      using minipd_vec::Vec;
       const Vec one = Vec::set1(1.f);
-      for (; i + Vec::L <= N; i += Vec::L) {
-        const Vec gv = Vec::load(g + i);
-        const Vec e = minipd_vec::exp(Vec::zero() - gv);
-        ((gv / (one + e)) * Vec::load(u + i)).store(o + i);
+      if constexpr (std::is_same_v<E, float>) {
+        for (; i + Vec::L <= N; i += Vec::L) {
+          const Vec gv = Vec::load(g + i);
+          const Vec e = minipd_vec::exp(Vec::zero() - gv);
+          ((gv / (one + e)) * Vec::load(u + i)).store(o + i);
+        }
+      } else {
+        float silu[Vec::L];
+        for (; i + Vec::L <= N; i += Vec::L) {
+          const Vec gv = Vec::load(g + i);
+          (gv / (one + minipd_vec::exp(Vec::zero() - gv))).store(silu);
+          for (int j = 0; j < Vec::L; ++j) from_float(rounded<E>(silu[j]) * to_float(u[i + j]), o + i + j);
+        }
       }
-      for (; i < N; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (; i < N; ++i) {
+        const float gi = to_float(g[i]);
+        from_float(rounded<E>(gi / (1.f + std::exp(-gi))) * to_float(u[i]), o + i);
+      }
     }
   });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_rows(gate, "silu_and_mul");
+  check_rows(up, "silu_and_mul");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
+              "silu_and_mul: gate and up of one shape and dtype");
+  auto y = at::empty({gate.size(0), gate.size(1)}, gate.options());
+  if (gate.scalar_type() == at::kFloat) silu_and_mul_rows<float>(gate, up, y);
+  else silu_and_mul_rows<uint16_t>(gate, up, y);
   return y;
 }
 
-// x = x * cos + rotate_half(x) * sin for q (T, Hq, D) and k (T, Hkv, D), in place; cos, sin (T, D)
-void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "rope_: float32 only");
-  for (const at::Tensor* x : {&q, &k})  // rows may be strided (q and k are views of one qkv product)
-    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2), "rope_: (T, H, D), each row's heads contiguous");
+// x = x * cos + rotate_half(x) * sin for q (T, Hq, D) and k (T, Hkv, D), in place; cos, sin (T, D).
+// In bfloat16 the sum is rounded once (eager rounds each product too).
+template <typename E>
+void rope_rows(at::Tensor& q, at::Tensor& k, const at::Tensor& c, const at::Tensor& s) {
   const int64_t T = q.size(0), D = q.size(2), half = D / 2;
-  auto c = cos.contiguous().view({T, D}), s = sin.contiguous().view({T, D});
-  const float* cp = c.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
+  const E* cp = data<E>(c);
+  const E* sp = data<E>(s);
   for (at::Tensor* x : {&q, &k}) {
     const int64_t H = x->size(1), ld = x->stride(0);
-    float* xp = x->data_ptr<float>();
+    E* xp = data<E>(*x);
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
       for (int64_t t = t0; t < t1; ++t) {
-        const float* cr = cp + t * D;
-        const float* sr = sp + t * D;
+        const E* cr = cp + t * D;
+        const E* sr = sp + t * D;
         for (int64_t h = 0; h < H; ++h) {
-          float* v = xp + t * ld + h * D;
+          E* v = xp + t * ld + h * D;
           for (int64_t i = 0; i < half; ++i) {
-            const float a = v[i], b = v[i + half];
-            v[i] = a * cr[i] - b * sr[i];
-            v[i + half] = b * cr[i + half] + a * sr[i + half];
+            const float a = to_float(v[i]), b = to_float(v[i + half]);
+            from_float(a * to_float(cr[i]) - b * to_float(sr[i]), v + i);
+            from_float(b * to_float(cr[i + half]) + a * to_float(sr[i + half]), v + i + half);
           }
         }
       }
     });
   }
+}
+
+void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
+              cos.scalar_type() == dtype && sin.scalar_type() == dtype, "rope_: float32 or bfloat16, all of one dtype");
+  for (const at::Tensor* x : {&q, &k})  // rows may be strided (q and k are views of one qkv product)
+    TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2), "rope_: (T, H, D), each row's heads contiguous");
+  const int64_t T = q.size(0), D = q.size(2);
+  auto c = cos.contiguous().view({T, D}), s = sin.contiguous().view({T, D});
+  if (dtype == at::kFloat) rope_rows<float>(q, k, c, s);
+  else rope_rows<uint16_t>(q, k, c, s);
 }
 
 }  // namespace
