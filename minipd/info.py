@@ -64,7 +64,7 @@ def describe(head_dim: int = 64) -> dict:
         "decode_linears": f"minipd small_linear ({isa}, bfloat16 weights, float32 sums) up to "
         f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,
         "prefill_linears": many_rows_bf16,
-        "elementwise": "PyTorch operators",
+        "elementwise": f32["elementwise"],
     }
     return {
         "cpu": {"name": cpu_name(), "machine": platform.machine(), "cores": os.cpu_count(),
