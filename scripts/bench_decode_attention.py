@@ -13,8 +13,6 @@ import argparse
 import math
 import time
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -22,6 +20,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512, help="tokens per sequence (a multiple of 16)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    import torch
+
     from minipd.models import cpu_kernels
 
     if not cpu_kernels.available():
