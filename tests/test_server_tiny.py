@@ -79,6 +79,21 @@ def test_modes_give_the_same_tokens_and_disagg_moves_the_prompts_kv(server):
     assert all(w["kv_blocks_used"] == 0 and w["kv_blocks_seated"] == 0 for w in workers)
 
 
+def test_bfloat16_disagg_moves_bfloat16_kv_and_gives_colocated_tokens():
+    with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--dtype", "bfloat16") as s:
+        prompts = [[5 + i, 17, 300 + i, 42] * (i + 1) for i in range(3)]
+        texts = {}
+        for mode in ("colocated", "disagg"):
+            assert s.post("/admin/mode", {"mode": mode})[0] == 200
+            outs = [completion(s, p, max_tokens=8, ignore_eos=True) for p in prompts]
+            texts[mode] = [o["choices"][0]["text"] for o in outs]
+        assert texts["disagg"] == texts["colocated"]
+        for p, o in zip(prompts, outs):
+            t = s.get(f"/v1/requests/{o['id']}/timeline")[1]
+            assert t["prefill_worker"] != t["decode_worker"]
+            assert t["kv_transfer"]["bytes"] == len(p) * tiny_random_config().kv_bytes_per_token(2)
+
+
 def test_metrics_parse_and_move(server):
     def counters():
         text = server.get("/metrics")[1]
