@@ -59,7 +59,8 @@ def describe(head_dim: int = 64) -> dict:
     many_rows_bf16 = ("PyTorch (oneDNN bfloat16)" if native_bf16 else
                       "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
     bf16 = {
-        "prefill_attention": "PyTorch SDPA over the gathered KV",
+        "prefill_attention": f"minipd paged_prefill ({isa}, float32 sums)" if cpu_kernels.paged_prefill_available(
+            torch.bfloat16, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention.replace("vectors", "vectors, float32 sums") if built else decode_attention,
         "decode_linears": f"minipd small_linear ({isa}, bfloat16 weights, float32 sums) up to "
         f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,

@@ -111,6 +111,20 @@ def test_paged_prefill_equals_causal_attention_over_the_gathered_context(new, ct
     assert (got - want[0].transpose(0, 1)).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("new,ctx", [(1, 1), (37, 37), (20, 300), (129, 200)])
+def test_paged_prefill_in_bfloat16_equals_float32_attention_over_the_same_values(new, ctx):
+    torch.manual_seed(ctx)
+    hq, hkv, d, bs = 9, 3, 64, 16
+    blocks = -(-ctx // bs) + 5
+    table = torch.randperm(blocks)[: -(-ctx // bs)]
+    k_cache, v_cache = torch.randn(blocks * bs, hkv, d).bfloat16(), torch.randn(blocks * bs, hkv, d).bfloat16()
+    q = torch.randn(new, hq, d).bfloat16()
+    got = torch.ops.minipd.paged_prefill(q, k_cache, v_cache, table, ctx, bs, d**-0.5)
+    want = torch.ops.minipd.paged_prefill(q.float(), k_cache.float(), v_cache.float(), table, ctx, bs, d**-0.5)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()  # the float32 result, rounded once
+
+
 def test_paged_prefill_refuses_what_it_cannot_do():
     q, cache, table = torch.randn(4, 2, 64), torch.randn(64, 1, 64), torch.arange(4)
     with pytest.raises(RuntimeError, match="block table too short"):
@@ -119,7 +133,7 @@ def test_paged_prefill_refuses_what_it_cannot_do():
         torch.ops.minipd.paged_prefill(
             torch.randn(4, 2, 80), torch.randn(64, 1, 80), torch.randn(64, 1, 80), table, 4, 16, 0.1
         )
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.minipd.paged_prefill(q.bfloat16(), cache, cache, table, 4, 16, 0.125)
 
 

@@ -60,7 +60,7 @@ def small_rows_beside_packed() -> int:
 
 
 def paged_prefill_available(dtype: torch.dtype, head_dim: int) -> bool:
-    return dtype == torch.float32 and head_dim in PREFILL_HEAD_DIMS and small_linear_available()
+    return dtype in (torch.float32, torch.bfloat16) and head_dim in PREFILL_HEAD_DIMS and small_linear_available()
 
 
 def _build() -> bool:

@@ -1,6 +1,6 @@
 // Prefill attention read in place from the paged KV cache, flash-attention style (online softmax,
-// nothing of size T x T is ever stored), float32, over vec.h (AVX-512, AVX2, NEON). One sequence's T new tokens, at
-// positions [ctx - T, ctx), attend causally to its keys [0, position] found through its block
+// nothing of size T x T is ever stored), float32 or bfloat16 (float32 inside), over vec.h (AVX-512,
+// AVX2, NEON). One sequence's T new tokens, at positions [ctx - T, ctx), attend causally to its keys [0, position] found through its block
 // table; their own K and V are already in the cache. The same call serves a whole prompt and one
 // chunk of it (a cached prefix is read where it lies, not gathered).
 //
@@ -20,6 +20,8 @@
 
 namespace {
 
+using minipd_vec::from_float;
+using minipd_vec::to_float;
 using minipd_vec::Vec;
 constexpr int L = Vec::L;
 constexpr bool WIDE = Vec::REGISTERS >= 32;
@@ -53,9 +55,8 @@ inline void scores(const float* q, const float* kt, int64_t ld, float s[ROWS][KE
 }
 
 // columns [c, c + W * L) of o[r] = o[r] * corr[r] + sum_j<n p[r][j] v[j], GROUP rows at a time
-template <int W>
-inline void accumulate_columns(float* o, const float* corr, const float p[ROWS][KEYS], const float* const* v, int n,
-                               int c) {
+template <int W, typename E>
+inline void accumulate_columns(float* o, const float* corr, const float p[ROWS][KEYS], const E* const* v, int n, int c) {
   for (int r0 = 0; r0 < ROWS; r0 += GROUP) {
     Vec acc[GROUP][W];
     for (int r = 0; r < GROUP; ++r)
@@ -73,33 +74,33 @@ inline void accumulate_columns(float* o, const float* corr, const float p[ROWS][
   }
 }
 
-template <int D>
-inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], const float* const* v, int n) {
+template <int D, typename E>
+inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], const E* const* v, int n) {
   constexpr int V = D / L, FULL = V / COLS, REST = V % COLS;
   for (int i = 0; i < FULL; ++i) accumulate_columns<COLS>(o, corr, p, v, n, i * COLS * L);
   if constexpr (REST > 0) accumulate_columns<REST>(o, corr, p, v, n, FULL * COLS * L);
 }
 
-template <int D>
-void run(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t block_size,
-         int64_t T, int64_t ctx, int64_t Hq, int64_t Hkv, float scale, float* out) {
+template <int D, typename E>
+void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, int64_t block_size, int64_t T,
+         int64_t ctx, int64_t Hq, int64_t Hkv, float scale, E* out) {
   const int64_t G = Hq / Hkv, first = ctx - T;  // position of the first query
   const int64_t Lk = (ctx + KEY_PAD - 1) / KEY_PAD * KEY_PAD;  // keys, padded with zeros to whole score blocks
   auto kt_all = at::empty({Hkv, D, Lk}, at::kFloat);
   float* ktp = kt_all.data_ptr<float>();
-  std::vector<const float*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
-  static const float zeros[MAX_D] = {};
+  std::vector<const E*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
+  static const E zeros[MAX_D] = {};
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t j0 = 0; j0 < Lk; j0 += 16) {  // 16 keys at a time: each K^T write is one cache line
-        const float* k[16];
+        const E* k[16];
         for (int jj = 0; jj < 16; ++jj) {
           const int64_t j = j0 + jj;
           k[jj] = j < ctx ? k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D : zeros;
         }
         for (int d = 0; d < D; ++d) {
           float* dst = ktp + (h * D + d) * Lk + j0;
-          for (int jj = 0; jj < 16; ++jj) dst[jj] = k[jj][d];
+          for (int jj = 0; jj < 16; ++jj) dst[jj] = to_float(k[jj][d]);
         }
       }
       for (int64_t j = 0; j < ctx; ++j)
@@ -116,8 +117,8 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
       const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
       for (int r = 0; r < ROWS; ++r) {  // scaled queries; rows past the end are zeros, never stored
         const int64_t i = (row0 + std::min(r, n - 1)) / G, g = (row0 + std::min(r, n - 1)) % G;
-        const float* src = q + (i * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? src[d] * scale : 0.f;
+        const E* src = q + (i * Hq + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? to_float(src[d]) * scale : 0.f;
         std::fill(o + r * MAX_D, o + r * MAX_D + D, 0.f);
         pos[r] = first + i;
         m[r] = NONE;
@@ -125,7 +126,7 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
       }
       const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
       const float* kt = ktp + h * D * Lk;
-      const float* const* vh = v_rows.data() + h * ctx;
+      const E* const* vh = v_rows.data() + h * ctx;
       for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
         const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
         for (int c = 0; c < n; c += 2 * L) scores<D>(qt, kt + k0 + c, Lk, s, c);
@@ -153,9 +154,9 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int64
       }
       for (int r = 0; r < n; ++r) {
         const int64_t i = (row0 + r) / G, g = (row0 + r) % G;
-        float* dst = out + (i * Hq + h * G + g) * D;
+        E* dst = out + (i * Hq + h * G + g) * D;
         const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < D; ++d) dst[d] = o[r * MAX_D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) from_float(o[r * MAX_D + d] * inv, dst + d);
       }
     }
   });
@@ -168,8 +169,9 @@ bool supported_head_dim(int64_t D) {
 at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_table, int64_t ctx_len, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q (T, Hq, D), caches (S, Hkv, D)");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat, "float32 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, "float32 or bfloat16, q and caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
   TORCH_CHECK(Hq % Hkv == 0 && k_cache.size(2) == D, "query heads must be a multiple of kv heads");
@@ -180,9 +182,14 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
   auto go = [&](auto d) {
-    run<decltype(d)::value>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                            bt.data_ptr<int64_t>(), block_size, T, ctx_len, Hq, Hkv, static_cast<float>(scale),
-                            out.data_ptr<float>());
+    auto typed = [&](auto* e) {
+      using E = std::remove_pointer_t<decltype(e)>;
+      auto ptr = [](const at::Tensor& x) { return reinterpret_cast<E*>(x.data_ptr()); };
+      run<decltype(d)::value, E>(ptr(qc), ptr(k_cache), ptr(v_cache), bt.data_ptr<int64_t>(), block_size, T, ctx_len,
+                                 Hq, Hkv, static_cast<float>(scale), ptr(out));
+    };
+    if (dtype == at::kFloat) typed(static_cast<float*>(nullptr));
+    else typed(static_cast<uint16_t*>(nullptr));
   };
   switch (D) {
     case 16: go(std::integral_constant<int, 16>()); break;
