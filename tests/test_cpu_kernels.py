@@ -45,6 +45,19 @@ def test_paged_attention_equals_gathering_each_context(dtype, tol, d, hq):
     assert (got.float() - want).abs().max() < tol
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_attention_in_bfloat16_is_float32_over_the_same_values_rounded_to_nearest_even(d):
+    torch.manual_seed(d)
+    bs, blocks, hkv, hq, lens = 16, 200, 3, 9, [1, 17, 300, 64]
+    k_cache, v_cache = torch.randn(blocks * bs, hkv, d).bfloat16(), torch.randn(blocks * bs, hkv, d).bfloat16()
+    tables = torch.randperm(blocks)[: 4 * 20].view(4, 20)
+    q = torch.randn(len(lens), hq, d).bfloat16()
+    args = (tables, torch.arange(len(lens)), torch.tensor(lens) - 1, bs, d**-0.5)
+    got = torch.ops.minipd.paged_attention(q, k_cache, v_cache, *args)
+    want = torch.ops.minipd.paged_attention(q.float(), k_cache.float(), v_cache.float(), *args)
+    assert torch.equal(got, want.bfloat16())  # the same sums (widening is exact), one rounding, as torch rounds
+
+
 # the kernels compute the same on every ISA they are built for (MINIPD_KERNEL_ISA=avx2 or scalar
 # builds the others on x86); whether the engine uses them is the dispatch's choice, tested below
 

@@ -85,11 +85,10 @@ void silu_and_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
           ((gv / (one + e)) * Vec::load(u + i)).store(o + i);
         }
       } else {
-        float silu[Vec::L];
         for (; i + Vec::L <= N; i += Vec::L) {
           const Vec gv = Vec::load(g + i);
-          (gv / (one + minipd_vec::exp(Vec::zero() - gv))).store(silu);
-          for (int j = 0; j < Vec::L; ++j) from_float(rounded<E>(silu[j]) * to_float(u[i + j]), o + i + j);
+          const Vec silu = minipd_vec::rounded_bf16(gv / (one + minipd_vec::exp(Vec::zero() - gv)));
+          minipd_vec::store(silu * Vec::load(u + i), o + i);
         }
       }
       for (; i < N; ++i) {

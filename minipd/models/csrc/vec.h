@@ -158,7 +158,8 @@ inline void prefetch(const void* p) { __builtin_prefetch(p); }
 #endif
 
 // bfloat16, held as its bits (uint16_t): a float32's high half. Loads widen exactly; a store rounds
-// to nearest even, as c10::BFloat16 and transformers do.
+// to nearest even, as c10::BFloat16 and transformers do (NaN aside: the vector stores assume none,
+// as -ffast-math does).
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -176,10 +177,35 @@ inline void from_float(float x, uint16_t* p) {
 inline Vec Vec::load(const uint16_t* p) { return {to_float(*p)}; }
 #endif
 inline void store(Vec v, float* p) { v.store(p); }
+#if defined(__AVX512F__)
+inline void store(Vec v, uint16_t* p) {  // round to nearest even: add 0x7fff and the kept bit's last, keep 16
+  const __m512i u = _mm512_castps_si512(v.v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 inline void store(Vec v, uint16_t* p) {
-  float f[Vec::L];
-  v.store(f);
-  for (int i = 0; i < Vec::L; ++i) from_float(f[i], p + i);
+  const __m256i u = _mm256_castps_si256(v.v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+inline void store(Vec v, uint16_t* p) {
+  const uint32x4_t u = vreinterpretq_u32_f32(v.v);
+  const uint32x4_t odd = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+  vst1_u16(p, vshrn_n_u32(vaddq_u32(u, vaddq_u32(odd, vdupq_n_u32(0x7fff))), 16));
+}
+#else
+inline void store(Vec v, uint16_t* p) { from_float(v.v, p); }
+#endif
+// v rounded to bfloat16 and widened back (what an eager bfloat16 operator hands the next one)
+inline Vec rounded_bf16(Vec v) {
+  uint16_t b[Vec::L];
+  store(v, b);
+  return Vec::load(b);
 }
 
 // e^x: 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, and a degree-6 Taylor polynomial for e^r
