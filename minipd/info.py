@@ -61,7 +61,7 @@ def describe(head_dim: int = 64) -> dict:
     bf16 = {
         "prefill_attention": f"minipd paged_prefill ({isa}, float32 sums)" if cpu_kernels.paged_prefill_available(
             torch.bfloat16, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
-        "decode_attention": decode_attention.replace("vectors", "vectors, float32 sums") if built else decode_attention,
+        "decode_attention": decode_attention + (", float32 sums" if built else ""),
         "decode_linears": f"minipd small_linear ({isa}, bfloat16 weights, float32 sums) up to "
         f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,
         "prefill_linears": many_rows_bf16,

@@ -7,10 +7,13 @@
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <type_traits>
+#include "elements.h"
 #include "vec.h"
 
 namespace {
 
+using minipd_elements::data;
+using minipd_elements::with_elements;
 using minipd_vec::from_float;
 using minipd_vec::to_float;
 using minipd_vec::Vec;
@@ -18,12 +21,6 @@ using minipd_vec::Vec;
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, ": float32 or bfloat16 only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": (rows, columns) with contiguous rows");
-}
-
-// E's storage: float, or bfloat16 as its bits
-template <typename E>
-E* data(const at::Tensor& x) {
-  return reinterpret_cast<E*>(x.data_ptr());
 }
 
 // v rounded to E and back: what an eager operator in E hands the next one
@@ -59,8 +56,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "rms_norm: weight (H,) of x's dtype");
   auto y = at::empty({x.size(0), x.size(1)}, x.options());
-  if (x.scalar_type() == at::kFloat) rms_norm_rows<float>(x, weight, eps, y);
-  else rms_norm_rows<uint16_t>(x, weight, eps, y);
+  with_elements(x.scalar_type(), [&](auto e) { rms_norm_rows<decltype(e)>(x, weight, eps, y); });
   return y;
 }
 
@@ -105,8 +101,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
               "silu_and_mul: gate and up of one shape and dtype");
   auto y = at::empty({gate.size(0), gate.size(1)}, gate.options());
-  if (gate.scalar_type() == at::kFloat) silu_and_mul_rows<float>(gate, up, y);
-  else silu_and_mul_rows<uint16_t>(gate, up, y);
+  with_elements(gate.scalar_type(), [&](auto e) { silu_and_mul_rows<decltype(e)>(gate, up, y); });
   return y;
 }
 
@@ -145,8 +140,7 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
     TORCH_CHECK(x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2), "rope_: (T, H, D), each row's heads contiguous");
   const int64_t T = q.size(0), D = q.size(2);
   auto c = cos.contiguous().view({T, D}), s = sin.contiguous().view({T, D});
-  if (dtype == at::kFloat) rope_rows<float>(q, k, c, s);
-  else rope_rows<uint16_t>(q, k, c, s);
+  with_elements(dtype, [&](auto e) { rope_rows<decltype(e)>(q, k, c, s); });
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <limits>
 #include <vector>
+#include "elements.h"
 #include "vec.h"
 
 namespace {
@@ -187,19 +188,17 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const bool vec = (dtype == at::kFloat || dtype == at::kBFloat16) && k_cache.scalar_type() == dtype &&
                    v_cache.scalar_type() == dtype && (D == 64 || D == 128);
   if (vec) {
-    auto go = [&](auto d, auto* typed) {
-      using E = std::remove_pointer_t<decltype(typed)>;
-      auto ptr = [](const at::Tensor& x) { return reinterpret_cast<E*>(x.data_ptr()); };
-      run_vec<decltype(d)::value, E>(ptr(qc), ptr(k_cache), ptr(v_cache), bt.data_ptr<int64_t>(), sq.data_ptr<int64_t>(),
-                                     ps.data_ptr<int64_t>(), qc.size(0), qc.size(1), k_cache.size(1), bt.size(1),
-                                     block_size, static_cast<float>(scale), ptr(out));
-    };
-    auto width = [&](auto* typed) {
-      if (D == 64) go(std::integral_constant<int, 64>(), typed);
-      else go(std::integral_constant<int, 128>(), typed);
-    };
-    if (dtype == at::kFloat) width(static_cast<float*>(nullptr));
-    else width(static_cast<uint16_t*>(nullptr));
+    minipd_elements::with_elements(dtype, [&](auto e) {
+      using E = decltype(e);
+      using minipd_elements::data;
+      auto go = [&](auto d) {
+        run_vec<decltype(d)::value, E>(data<E>(qc), data<E>(k_cache), data<E>(v_cache), bt.data_ptr<int64_t>(),
+                                       sq.data_ptr<int64_t>(), ps.data_ptr<int64_t>(), qc.size(0), qc.size(1),
+                                       k_cache.size(1), bt.size(1), block_size, static_cast<float>(scale), data<E>(out));
+      };
+      if (D == 64) go(std::integral_constant<int, 64>());
+      else go(std::integral_constant<int, 128>());
+    });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_attention", [&] {

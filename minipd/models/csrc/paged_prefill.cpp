@@ -16,6 +16,7 @@
 #include <cmath>
 #include <type_traits>
 #include <vector>
+#include "elements.h"
 #include "vec.h"
 
 namespace {
@@ -182,14 +183,12 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   auto qc = q.contiguous();
   auto out = at::empty_like(qc);
   auto go = [&](auto d) {
-    auto typed = [&](auto* e) {
-      using E = std::remove_pointer_t<decltype(e)>;
-      auto ptr = [](const at::Tensor& x) { return reinterpret_cast<E*>(x.data_ptr()); };
-      run<decltype(d)::value, E>(ptr(qc), ptr(k_cache), ptr(v_cache), bt.data_ptr<int64_t>(), block_size, T, ctx_len,
-                                 Hq, Hkv, static_cast<float>(scale), ptr(out));
-    };
-    if (dtype == at::kFloat) typed(static_cast<float*>(nullptr));
-    else typed(static_cast<uint16_t*>(nullptr));
+    minipd_elements::with_elements(dtype, [&](auto e) {
+      using E = decltype(e);
+      using minipd_elements::data;
+      run<decltype(d)::value, E>(data<E>(qc), data<E>(k_cache), data<E>(v_cache), bt.data_ptr<int64_t>(), block_size,
+                                 T, ctx_len, Hq, Hkv, static_cast<float>(scale), data<E>(out));
+    });
   };
   switch (D) {
     case 16: go(std::integral_constant<int, 16>()); break;

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <string>
+#include "elements.h"
 #include "vec.h"
 
 namespace {
@@ -115,13 +116,10 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
     bf = bias->to(at::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
-  if (dtype == at::kFloat) {
-    rows(M, xf.data_ptr<float>(), w.data_ptr<float>(), bp, y.data_ptr<float>(), N, K);
-    return y;
-  }
-  rows(M, xf.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), bp, y.data_ptr<float>(),
-       N, K);
-  return y.to(at::kBFloat16);
+  minipd_elements::with_elements(dtype, [&](auto e) {
+    rows(M, xf.data_ptr<float>(), minipd_elements::data<decltype(e)>(w), bp, y.data_ptr<float>(), N, K);
+  });
+  return y.to(dtype);
 }
 
 // the instruction set the kernels were built for (vec.h): "avx512", "avx2", "neon" or "scalar"
