@@ -17,10 +17,12 @@ constexpr int64_t MAX_ROWS = 8;
 constexpr int L = Vec::L;
 
 // M rows of x against R rows of w at a time, U independent sums per pair (FMAs in flight), and a
-// software prefetch AHEAD ahead in each row of w: bytes if positive, whole rows if negative.
-// The AVX-512 shape per M is the best of a sweep over R, U and AHEAD on the default model's weights
-// in step order (one thread, a 2-core AMD EPYC); with 16 registers (AVX2) M x R x U accumulators
-// must leave room for R weight vectors and one of x. scripts/bench_small_linear.py measures them.
+// software prefetch AHEAD ahead in each row of w: bytes if positive, whole rows if negative, none if
+// 0 (the hardware's prefetcher alone). Each ISA's shape per M is the best of a sweep over R, U and
+// AHEAD on the default model's weights in step order, one thread: AVX-512 on a 2-core AMD EPYC with
+// it; AVX2 on a 2-core AMD EPYC without it, where a software prefetch cost up to 20% at 1-6 rows
+// (15.5 against 12.8 GB/s at one row). With 16 registers (AVX2) M x R x U accumulators must leave
+// room for R weight vectors and one of x. scripts/bench_small_linear.py measures them.
 template <int M, int R, int U, int AHEAD, typename W>
 void rows_of(const float* x, const W* w, const float* bias, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   using minipd_vec::to_float;
@@ -38,7 +40,7 @@ void rows_of(const float* x, const W* w, const float* bias, float* y, int64_t N,
         Vec wv[R];
         for (int r = 0; r < R; ++r) {
           const W* p = w + (n + r) * K + k + L * u;
-          if ((L * u) % LINE == 0) minipd_vec::prefetch(p + ahead);  // about once per line
+          if (AHEAD != 0 && (L * u) % LINE == 0) minipd_vec::prefetch(p + ahead);  // about once per line
           wv[r] = Vec::load(p);
         }
         for (int m = 0; m < M; ++m) {
@@ -87,12 +89,12 @@ void rows(int64_t M, const float* xp, const W* wp, const float* bp, float* yp, i
     }
   } else {
     switch (M) {
-      case 1: run<1, 1, 4, 4096>(xp, wp, bp, yp, N, K); break;
-      case 2: run<2, 1, 4, 4096>(xp, wp, bp, yp, N, K); break;
-      case 3: run<3, 1, 4, 4096>(xp, wp, bp, yp, N, K); break;
-      case 4: run<4, 1, 2, -4>(xp, wp, bp, yp, N, K); break;
-      case 5: run<5, 1, 2, -4>(xp, wp, bp, yp, N, K); break;
-      case 6: run<6, 1, 2, -4>(xp, wp, bp, yp, N, K); break;
+      case 1: run<1, 1, 4, 0>(xp, wp, bp, yp, N, K); break;
+      case 2: run<2, 1, 4, 0>(xp, wp, bp, yp, N, K); break;
+      case 3: run<3, 1, 2, 0>(xp, wp, bp, yp, N, K); break;
+      case 4: run<4, 1, 2, 0>(xp, wp, bp, yp, N, K); break;
+      case 5: run<5, 1, 2, 0>(xp, wp, bp, yp, N, K); break;
+      case 6: run<6, 1, 2, 0>(xp, wp, bp, yp, N, K); break;
       case 7: run<7, 1, 1, -4>(xp, wp, bp, yp, N, K); break;
       default: run<8, 1, 1, -4>(xp, wp, bp, yp, N, K); break;
     }
