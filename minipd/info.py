@@ -15,6 +15,14 @@ from pathlib import Path
 from minipd.cli_help import DefaultsFormatter
 
 
+def _prefill_linears(onednn: bool, onednn_max_rows: int) -> str:
+    if not onednn:
+        return "PyTorch (MKL)"
+    if onednn_max_rows == sys.maxsize:
+        return "oneDNN, prepacked weights"
+    return f"oneDNN, prepacked weights, up to {onednn_max_rows} rows; then PyTorch (MKL)"
+
+
 def cpu_name() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -52,7 +60,7 @@ def describe(head_dim: int = 64) -> dict:
         "decode_linears": f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then "
         "oneDNN (prepacked)" if vectors
         else ("oneDNN" if onednn else "PyTorch (MKL)"),
-        "prefill_linears": "oneDNN, prepacked weights" if onednn else "PyTorch (MKL)",
+        "prefill_linears": _prefill_linears(onednn, cpu_kernels.onednn_max_rows()),
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
     native_bf16 = cpu_kernels.native_bfloat16()

@@ -242,3 +242,34 @@ def test_decode_rows_go_to_the_small_row_kernel_as_far_as_it_beats_onednn_on_thi
     finally:
         monkeypatch.undo()
         use_cpu_kernels(tiny_model)
+
+
+@pytest.mark.parametrize("flags,mkl_from", [({"avx2", "fma"}, 512), ({"avx2", "fma", "avx512f"}, None)])
+def test_prefill_products_go_to_mkl_from_the_rows_where_it_beats_onednn_without_avx512(monkeypatch, tiny_model, flags,
+                                                                                       mkl_from):  # fmt: skip
+    """Defect (scripts/bench_prefill_linear.py on the AVX2 EPYC): every float32 product of more than
+    8 rows went to oneDNN, measured faster on the AVX-512 machine (where MKL on AMD takes a path
+    without AVX-512); on AVX2 MKL's product is 10-12% faster from 1,024 rows (3-6% on a 512-token
+    prefill). A 512-row product must run in F.linear there, a 64-row one still in oneDNN."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipd.models import linear as linear_mod
+    from minipd.models.linear import Linear, use_cpu_kernels
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN")
+    monkeypatch.setattr(cpu_kernels.kernel_build, "cpu_flags", lambda: frozenset(flags))
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(linear_mod.F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real_linear(*a, **k))
+    try:
+        use_cpu_kernels(tiny_model, prepack=True)
+        layer = next(m for m in tiny_model.modules() if isinstance(m, Linear) and m is not tiny_model.lm_head)
+        for rows in (64, 512):
+            x = torch.randn(rows, layer.in_features)
+            torch.testing.assert_close(layer.forward(x), real_linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert calls == ([] if mkl_from is None else [512])
+    finally:
+        monkeypatch.undo()
+        use_cpu_kernels(tiny_model)

@@ -25,6 +25,11 @@ SMALL_LINEAR_MAX_ROWS = 8
 # every row count to 8. Other ISAs are unmeasured: the kernel's own limit.
 ROWS_BESIDE_PACKED = {"avx512": 2}
 PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
+# rows from which MKL's float32 product (F.linear) beats oneDNN's on prepacked weights: on the AVX2
+# EPYC (no AVX-512) oneDNN is 4-15% faster to 256 rows, even to 8% behind at 512, MKL 10-12% faster
+# from 1,024 (scripts/bench_prefill_linear.py). With AVX-512, MKL takes a path without it on AMD
+# CPUs: oneDNN at every size there (see linear.py).
+MKL_FROM_ROWS_WITHOUT_AVX512 = 512
 
 
 def available() -> bool:
@@ -57,6 +62,14 @@ def native_bfloat16() -> bool:
 
 def small_rows_beside_packed() -> int:
     return ROWS_BESIDE_PACKED.get(kernel_isa() or "", SMALL_LINEAR_MAX_ROWS)
+
+
+def onednn_max_rows() -> int:
+    """Rows up to which a float32 product goes through oneDNN (more: MKL, through F.linear)."""
+    flags = kernel_build.cpu_flags()
+    if "avx2" in flags and "avx512f" not in flags:
+        return MKL_FROM_ROWS_WITHOUT_AVX512 - 1
+    return sys.maxsize
 
 
 def paged_prefill_available(dtype: torch.dtype, head_dim: int) -> bool:

@@ -1,8 +1,10 @@
 """nn.Linear, except that the few rows of a decode step go through minipd's CPU kernel, which
 streams the weights at close to memory speed (float32 or bfloat16, AVX-512, AVX2 or NEON; see
 csrc/small_linear.cpp), the many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32
-GEMM takes a path without AVX-512: 100 GFLOP/s against oneDNN's 240 on one core here), and that it
-can hold its weights as int8 (weight-only quantization, opt-in)."""
+GEMM takes a path without AVX-512: 100 GFLOP/s against oneDNN's 240 on one core there) except,
+on a CPU without AVX-512, from the rows where MKL's AVX2 GEMM is the faster
+(cpu_kernels.onednn_max_rows), and that it can hold its weights as int8 (weight-only
+quantization, opt-in)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from minipd.models import cpu_kernels
 
 class Linear(nn.Linear):
     small_rows = 0  # rows up to which the small-row kernel runs (0: off); set by use_cpu_kernels()
-    onednn_rows = False  # set by use_cpu_kernels()
+    onednn_rows = 0  # rows up to which a product runs in oneDNN (0: never); set by use_cpu_kernels()
     widen = False  # bfloat16 weights widened to float32 for a product of many rows; set by use_cpu_kernels()
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prefill), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights (N, K) int8, per-row scales bf16), or None
@@ -26,7 +28,7 @@ class Linear(nn.Linear):
             return y if self.bias is None else y + self.bias
         if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows:
             return torch.ops.minipd.small_linear(x, self.weight, self.bias)
-        if self.onednn_rows and x.dim() == 2:
+        if x.dim() == 2 and x.shape[0] <= self.onednn_rows:
             w = self.weight if self.packed is None else self.packed
             return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
         if self.widen:
@@ -41,7 +43,8 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     SiLU * up, rotary embedding) in every module that has a `fused` switch (both dtypes), and
     oneDNN (float32).
     With prepack, each float32 Linear but the LM head (it is the embedding, tied) also keeps a copy
-    of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it, and on
+    of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it (up to
+    cpu_kernels.onednn_max_rows(); beyond, MKL's product on the plain weights), and on
     AVX-512 from 3 rows on oneDNN reads it as fast as the small-row kernel reads the plain weights,
     or faster (on AVX2 it does not: cpu_kernels.ROWS_BESIDE_PACKED; scripts/bench_small_linear.py);
     the cost is a second copy of the layers' weights in memory. On a CPU without bfloat16
@@ -65,7 +68,7 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
             elif not pack:
                 m.packed = None
             m.small_rows = (cpu_kernels.small_rows_beside_packed() if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0
-            m.onednn_rows = onednn
+            m.onednn_rows = cpu_kernels.onednn_max_rows() if onednn else 0
             m.widen = widen
         if hasattr(type(m), "fused"):
             m.fused = fused
