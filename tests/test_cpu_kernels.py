@@ -240,3 +240,44 @@ def test_a_bfloat16_model_reads_its_weights_in_the_small_row_kernel_and_widens_o
         exact = F.linear(x.double(), m.weight.double(), None if m.bias is None else m.bias.double())
         assert got.dtype == torch.bfloat16
         assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,qkv_bias", [(16, False), (64, True)])  # the generic and the vector attention
+def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, head_dim, qkv_bias):
+    """csrc/decode_layers.cpp runs every layer of a decode batch in one call: the same kernels in the
+    same order as the layer loop, so each step's logits must be identical, at batches 1 to 3."""
+    import dataclasses
+
+    from minipd.models.files import tiny_random_config
+    from minipd.models.llama import LlamaForCausalLM
+
+    if not cpu_kernels.small_linear_available():
+        pytest.skip("the small-row linear is not in use here (a scalar build): no layer runs only minipd's kernels")
+    cfg = dataclasses.replace(tiny_random_config(), head_dim=head_dim, qkv_bias=qkv_bias)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
+    model = model.to(dtype).eval()
+    prompts = [[5, 9, 200, 31, 7], [44, 3], list(range(100, 140))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def steps(one_call: bool):
+        engine = make_engine(model, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024)
+        assert model.decode_rows == 8
+        if not one_call:
+            model.decode_rows = 0
+        seen, forward = [], model.forward
+        model.forward = lambda ids, *a: seen.append((len(ids), forward(ids, *a))) or seen[-1][1]
+        try:
+            run_staggered(engine, prompts, params, join_every=2)
+        finally:
+            del model.forward
+        return seen
+
+    one, loop = steps(True), steps(False)
+    assert [n for n, _ in one] == [n for n, _ in loop] and {1, 2, 3} <= {n for n, _ in one}
+    for (_, a), (_, b) in zip(one, loop):
+        assert torch.equal(a, b)

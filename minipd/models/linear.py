@@ -72,6 +72,8 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
             m.widen = widen
         if hasattr(type(m), "fused"):
             m.fused = fused
+    if hasattr(model, "plan_decode_layers"):
+        model.plan_decode_layers()
     return small
 
 

@@ -84,7 +84,12 @@ class LlamaForCausalLM(nn.Module):
     """Llama-family decoder over a flat batch of tokens from many sequences (no padding).
 
     Submodules are called through `.forward`: a decode step makes ~270 module calls, and
-    nn.Module.__call__'s hook machinery cost ~0.8 ms of an 18 ms step at batch 1 (no hooks are used)."""
+    nn.Module.__call__'s hook machinery cost ~0.8 ms of an 18 ms step at batch 1 (no hooks are used).
+    Where every step of a layer runs minipd's CPU kernels, a decode batch of up to `decode_rows`
+    rows runs all the layers in one call instead (csrc/decode_layers.cpp: the same kernels in the
+    same order, without ~20 Python-level operator calls per layer)."""
+
+    decode_rows = 0  # set by plan_decode_layers (use_cpu_kernels)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -110,9 +115,33 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # (S, vocab)
         x = self.embed_tokens.forward(input_ids)
         rope = self.rope.table(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
+        T = x.shape[0]
+        if T <= self.decode_rows and meta.decode_tables is not None and meta.num_decodes == T and not meta.prefills:
+            cfg = self.config
+            x = torch.ops.minipd.decode_layers(
+                x, *self.decode_weights, kv_cache, meta.slot_mapping, meta.decode_tables, meta.decode_rows,
+                meta.decode_positions, *rope, cfg.num_heads, meta.block_size, cfg.head_dim**-0.5, cfg.rms_norm_eps)  # fmt: skip
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
         return self.lm_head.forward(self.norm.forward(x[logits_rows]))
+
+    def plan_decode_layers(self) -> None:
+        """Turn the one-call decode on where each step of every layer runs a kernel of minipd's
+        (fused norms, rotary and SiLU x up; the small-row linear up to the rows it takes), or off."""
+        layers = list(self.layers)
+        linears = [m for la in layers for m in (la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj,
+                                                  la.mlp.down_proj)]  # fmt: skip
+        fused = all(m.fused for la in layers for m in (la.self_attn, la.mlp, la.input_layernorm,
+                                                        la.post_attention_layernorm))  # fmt: skip
+        plain = all(m.int8 is None and m.weight.is_contiguous() for m in linears)
+        self.decode_rows = min(m.small_rows for m in linears) if layers and fused and plain else 0
+        biases = [la.self_attn.qkv_proj.bias for la in layers]
+        self.decode_weights = (
+            [la.input_layernorm.weight for la in layers], [la.self_attn.qkv_proj.weight for la in layers],
+            [] if any(b is None for b in biases) else biases, [la.self_attn.o_proj.weight for la in layers],
+            [la.post_attention_layernorm.weight for la in layers], [la.mlp.gate_up_proj.weight for la in layers],
+            [la.mlp.down_proj.weight for la in layers])  # fmt: skip
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama-layout tensors (module names match, less the `model.` prefix,

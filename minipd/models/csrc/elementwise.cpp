@@ -8,6 +8,7 @@
 #include <cmath>
 #include <type_traits>
 #include "elements.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -51,7 +52,9 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+}  // namespace
+
+at::Tensor minipd_ops::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
   TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "rms_norm: weight (H,) of x's dtype");
@@ -59,6 +62,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   with_elements(x.scalar_type(), [&](auto e) { rms_norm_rows<decltype(e)>(x, weight, eps, y); });
   return y;
 }
+
+namespace {
 
 // silu(gate) * up, rounded to E between the two as eager F.silu(gate) * up is
 template <typename E>
@@ -95,7 +100,9 @@ void silu_and_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor&
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
+}  // namespace
+
+at::Tensor minipd_ops::silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_rows(gate, "silu_and_mul");
   check_rows(up, "silu_and_mul");
   TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
@@ -104,6 +111,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   with_elements(gate.scalar_type(), [&](auto e) { silu_and_mul_rows<decltype(e)>(gate, up, y); });
   return y;
 }
+
+namespace {
 
 // x = x * cos + rotate_half(x) * sin for q (T, Hq, D) and k (T, Hkv, D), in place; cos, sin (T, D).
 // In bfloat16 the sum is rounded once (eager rounds each product too).
@@ -132,7 +141,9 @@ void rope_rows(at::Tensor& q, at::Tensor& k, const at::Tensor& c, const at::Tens
   }
 }
 
-void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+}  // namespace
+
+void minipd_ops::rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
               cos.scalar_type() == dtype && sin.scalar_type() == dtype, "rope_: float32 or bfloat16, all of one dtype");
@@ -143,8 +154,6 @@ void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor
   with_elements(dtype, [&](auto e) { rope_rows<decltype(e)>(q, k, c, s); });
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
@@ -152,7 +161,7 @@ TORCH_LIBRARY_FRAGMENT(minipd, m) {
 }
 
 TORCH_LIBRARY_IMPL(minipd, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rope_", &rope_);
+  m.impl("rms_norm", &minipd_ops::rms_norm);
+  m.impl("silu_and_mul", &minipd_ops::silu_and_mul);
+  m.impl("rope_", &minipd_ops::rope_);
 }

@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 #include "elements.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -172,9 +173,11 @@ void run_vec(const E* qp, const E* kp, const E* vp, const int64_t* bt, const int
   });
 }
 
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& seq_of_token,
-                           const at::Tensor& pos_of_token, int64_t block_size, double scale) {
+}  // namespace
+
+at::Tensor minipd_ops::paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                       const at::Tensor& block_tables, const at::Tensor& seq_of_token,
+                                       const at::Tensor& pos_of_token, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q (T, Hq, D), caches (S, Hkv, D)");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -207,11 +210,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_of_token, "
         "Tensor pos_of_token, int block_size, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("paged_attention", &minipd_ops::paged_attention); }

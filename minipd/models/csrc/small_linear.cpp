@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <string>
 #include "elements.h"
+#include "ops.h"
 #include "vec.h"
 
 namespace {
@@ -101,7 +102,9 @@ void rows(int64_t M, const float* xp, const W* wp, const float* bp, float* yp, i
   }
 }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+}  // namespace
+
+at::Tensor minipd_ops::small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K), w (N, K)");
   const auto dtype = w.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16 only");
@@ -125,14 +128,12 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 }
 
 // the instruction set the kernels were built for (vec.h): "avx512", "avx2", "neon" or "scalar"
-std::string kernel_isa() { return MINIPD_VEC_ISA; }
-
-}  // namespace
+std::string minipd_ops::kernel_isa() { return MINIPD_VEC_ISA; }
 
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("kernel_isa() -> str");
 }
 
-TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("small_linear", &small_linear); }
-TORCH_LIBRARY_IMPL(minipd, CompositeExplicitAutograd, m) { m.impl("kernel_isa", &kernel_isa); }
+TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("small_linear", &minipd_ops::small_linear); }
+TORCH_LIBRARY_IMPL(minipd, CompositeExplicitAutograd, m) { m.impl("kernel_isa", &minipd_ops::kernel_isa); }
