@@ -264,20 +264,40 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, head
     prompts = [[5, 9, 200, 31, 7], [44, 3], list(range(100, 140))]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    def steps(one_call: bool):
-        engine = make_engine(model, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024)
-        assert model.decode_rows == 8
+    def steps(one_call: bool, monkeypatch):
+        engine = make_engine(model, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024, prepack=False)
+        assert model.decode_rows == cpu_kernels.SMALL_LINEAR_MAX_ROWS
         if not one_call:
             model.decode_rows = 0
-        seen, forward = [], model.forward
+        seen, calls, forward, op = [], [], model.forward, torch.ops.minipd.decode_layers
         model.forward = lambda ids, *a: seen.append((len(ids), forward(ids, *a))) or seen[-1][1]
+        monkeypatch.setattr(torch.ops.minipd, "decode_layers", lambda x, *a: calls.append(len(x)) or op(x, *a))
         try:
             run_staggered(engine, prompts, params, join_every=2)
         finally:
             del model.forward
-        return seen
+            monkeypatch.undo()
+        return seen, calls
 
-    one, loop = steps(True), steps(False)
-    assert [n for n, _ in one] == [n for n, _ in loop] and {1, 2, 3} <= {n for n, _ in one}
+    with pytest.MonkeyPatch.context() as mp:
+        (one, one_calls), (loop, loop_calls) = steps(True, mp), steps(False, mp)
+    assert [n for n, _ in one] == [n for n, _ in loop]
+    assert {1, 2, 3} <= set(one_calls) and loop_calls == []  # the one call ran at batches 1-3, the loop never
     for (_, a), (_, b) in zip(one, loop):
         assert torch.equal(a, b)
+
+
+def test_int8_after_the_kernels_stops_the_one_call_decode(tiny_model):
+    """Defect (review): the one-call decode was planned only by use_cpu_kernels, so int8 weights set
+    after it would have been skipped (the call reads the float weights); quantize_int8 re-plans."""
+    import copy
+
+    from minipd.models.linear import quantize_int8
+
+    model = copy.deepcopy(tiny_model)
+    use_cpu_kernels(model)
+    if not cpu_kernels.small_linear_available():
+        pytest.skip("the small-row linear is not in use here")
+    assert model.decode_rows > 0
+    quantize_int8(model)
+    assert model.decode_rows == 0

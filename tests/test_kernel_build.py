@@ -259,6 +259,7 @@ def test_prefill_products_go_to_mkl_from_the_rows_where_it_beats_onednn_without_
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN")
+    cpu_kernels.small_linear_available()  # built and decided for this CPU before its flags are faked
     monkeypatch.setattr(cpu_kernels.kernel_build, "cpu_flags", lambda: frozenset(flags))
     calls = []
     real_linear = F.linear
@@ -270,6 +271,29 @@ def test_prefill_products_go_to_mkl_from_the_rows_where_it_beats_onednn_without_
             x = torch.randn(rows, layer.in_features)
             torch.testing.assert_close(layer.forward(x), real_linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         assert calls == ([] if mkl_from is None else [512])
+    finally:
+        monkeypatch.undo()
+        use_cpu_kernels(tiny_model)
+
+
+def test_a_product_of_no_rows_stays_in_pytorch_when_onednn_is_off(monkeypatch, tiny_model):
+    """Defect (review): with the row limit for oneDNN an int, `rows <= onednn_rows` held for a
+    product of 0 rows with oneDNN off (0 <= 0), so the LM head's (0, H) input in a step where no
+    sequence samples went to oneDNN: on CUDA, or with the kernels off, it must stay in F.linear."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipd.models import linear as linear_mod
+    from minipd.models.linear import use_cpu_kernels
+
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(linear_mod.F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real_linear(*a, **k))
+    try:
+        use_cpu_kernels(tiny_model, on=False)
+        head = tiny_model.lm_head
+        assert head.forward(torch.randn(0, head.in_features)).shape == (0, head.out_features)
+        assert calls == [0]
     finally:
         monkeypatch.undo()
         use_cpu_kernels(tiny_model)

@@ -28,7 +28,7 @@ class Linear(nn.Linear):
             return y if self.bias is None else y + self.bias
         if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows:
             return torch.ops.minipd.small_linear(x, self.weight, self.bias)
-        if x.dim() == 2 and x.shape[0] <= self.onednn_rows:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.onednn_rows:
             w = self.weight if self.packed is None else self.packed
             return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
         if self.widen:
@@ -85,3 +85,5 @@ def quantize_int8(model: nn.Module) -> None:
             w = m.weight.detach().float()
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
             m.int8 = ((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(torch.bfloat16))
+    if hasattr(model, "plan_decode_layers"):  # int8 layers run in Python: the one-call decode stops
+        model.plan_decode_layers()

@@ -134,12 +134,12 @@ class LlamaForCausalLM(nn.Module):
                                                   la.mlp.down_proj)]  # fmt: skip
         fused = all(m.fused for la in layers for m in (la.self_attn, la.mlp, la.input_layernorm,
                                                         la.post_attention_layernorm))  # fmt: skip
-        plain = all(m.int8 is None and m.weight.is_contiguous() for m in linears)
-        self.decode_rows = min(m.small_rows for m in linears) if layers and fused and plain else 0
         biases = [la.self_attn.qkv_proj.bias for la in layers]
+        plain = all(m.int8 is None and m.weight.is_contiguous() for m in linears) and len({b is None for b in biases}) <= 1
+        self.decode_rows = min(m.small_rows for m in linears) if layers and fused and plain else 0
         self.decode_weights = (
             [la.input_layernorm.weight for la in layers], [la.self_attn.qkv_proj.weight for la in layers],
-            [] if any(b is None for b in biases) else biases, [la.self_attn.o_proj.weight for la in layers],
+            [] if None in biases else biases, [la.self_attn.o_proj.weight for la in layers],
             [la.post_attention_layernorm.weight for la in layers], [la.mlp.gate_up_proj.weight for la in layers],
             [la.mlp.down_proj.weight for la in layers])  # fmt: skip
 

@@ -51,7 +51,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList input_norms, at:
 
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("decode_layers(Tensor x, Tensor[] input_norms, Tensor[] qkv_weights, Tensor[] qkv_biases, "
-        "Tensor[] o_weights, Tensor[] post_norms, Tensor[] gate_up_weights, Tensor[] down_weights, Tensor kv_cache, "
+        "Tensor[] o_weights, Tensor[] post_norms, Tensor[] gate_up_weights, Tensor[] down_weights, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_of_token, Tensor pos_of_token, Tensor cos, Tensor sin, "
         "int num_heads, int block_size, float scale, float eps) -> Tensor");
 }
