@@ -287,14 +287,13 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, head
         assert torch.equal(a, b)
 
 
-def test_int8_after_the_kernels_stops_the_one_call_decode(tiny_model):
+def test_int8_after_the_kernels_stops_the_one_call_decode():
     """Defect (review): the one-call decode was planned only by use_cpu_kernels, so int8 weights set
     after it would have been skipped (the call reads the float weights); quantize_int8 re-plans."""
-    import copy
-
     from minipd.models.linear import quantize_int8
+    from minipd.models.loader import load_model
 
-    model = copy.deepcopy(tiny_model)
+    model = load_model("tiny-random", torch.float32, "cpu")  # its own: int8 stays on the model
     use_cpu_kernels(model)
     if not cpu_kernels.small_linear_available():
         pytest.skip("the small-row linear is not in use here")
