@@ -191,6 +191,20 @@ def test_switch_cost_is_the_gap_of_the_replies_streaming_through_it():
     assert empty["streaming"] == 0 and empty["gap_across_switch_max_ms"] is None and empty["median_itl_ms"] is None
 
 
+def test_a_moved_reply_whose_first_token_had_not_reached_the_client_counts_as_moved():
+    """Defect (CI, test_switch_at_end_to_end_on_minipd: the server moved 2, the timelines counted 1):
+    a reply the server was already decoding when the switch came, but whose first token reached the
+    client only after the switch was sent, was not counted among the moved, as only the replies
+    streaming at the client were looked at. Every request in flight at the switch counts."""
+    records, _ = synthetic()
+    late = [{"request_id": "r2", "key": "r2.1", "source": 0, "target": 1, "reason": "switch", "start": T0 + 1.02,
+             "tokens": 1, "bytes": 100, "seconds": 0.01, "outcome": "moved", "detail": None}]  # fmt: skip
+    records[2] = rec(2, T0 + 0.9, ticks(T0 + 1.2, T0 + 1.6), moves=late)
+    cost = switch_cost(records, T0 + 1.0, T0 + 1.05)
+    assert cost["streaming"] == 2 and cost["waiting_for_first_token"] == 1
+    assert cost["moved_per_timelines"] == 2
+
+
 def test_results_json_and_report_carry_switches_and_intervals(tmp_path):
     records, log = synthetic()
     switches, intervals = analyse(records, log, T0, "colocated", None, slo_ttft_ms=250)
