@@ -108,8 +108,10 @@ def test_a_reader_that_dies_during_a_move_frees_the_writers_blocks(pair):
     move(p, "r.1", 3)
     p.pump(seen(event("transfer_start", "r.1")))
     p.prefill.send(m.Peers({}, gone=[1]))  # what the router says when the reader dies
-    got = p.pump(lambda got: p.prefill.worker.engine.blocks.num_used == 0 and not len(p.prefill.worker.outgoing))
-    assert any(x.key == "r.1" for x in of(m.RequestError, got)), "the router hears the move failed (it redoes it)"
+    # the router hears the move failed (it redoes it); the blocks may be freed a turn before it does
+    # (on a loaded machine the pump stopped in between: a CI failure)
+    p.pump(lambda got: any(x.key == "r.1" for x in of(m.RequestError, got)))
+    p.pump(lambda got: p.prefill.worker.engine.blocks.num_used == 0 and not len(p.prefill.worker.outgoing))
 
 
 def test_the_handoff_record_of_a_move_starts_from_decoding():
