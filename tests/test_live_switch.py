@@ -148,13 +148,16 @@ def _wait_back(server, worker_id, incarnation, timeout=60):
 def test_a_worker_restarted_for_a_new_setting_costs_nobody_their_reply(how):
     """`POST /admin/workers/1/drain {"restart": true}`, or SIGTERM to worker 1 alone: its running
     replies move to worker 0 and go on token for token; then it stops and starts again."""
+    # replies long enough to be running when the signal lands: with a decode batch in one call the
+    # tiny model's 250 tokens could end within the 0.2 s below (a CI failure: nothing to move)
+    long = 4 * MAX_TOKENS
     with serving(*TINY) as server:
-        want = texts(asyncio.run(stream_completions(server.url, PROMPTS, MAX_TOKENS)))
+        want = texts(asyncio.run(stream_completions(server.url, PROMPTS, long)))
         pid, incarnation = _pid_and_incarnation(server, 1)
 
         async def go():
             started = asyncio.Event()
-            run = asyncio.ensure_future(stream_completions(server.url, PROMPTS, MAX_TOKENS, lambda i: started.set()))
+            run = asyncio.ensure_future(stream_completions(server.url, PROMPTS, long, lambda i: started.set()))
             await started.wait()
             await asyncio.sleep(0.2)
             if how == "sigterm":
