@@ -139,8 +139,8 @@ def switch_cost(records: list[RequestRecord], sent: float, answered: float) -> d
         return [m for m in (r.server_timeline or {}).get("moves") or []
                 if m.get("reason") == "switch" and sent - 0.5 <= (m.get("start") or 0) <= answered + 0.5]  # fmt: skip
 
-    def moved(r: RequestRecord) -> bool:
-        return any(m.get("outcome") == "moved" for m in moves(r))
+    def moved(found: list[dict]) -> bool:
+        return any(m.get("outcome") == "moved" for m in found)
 
     rows = []
     for r in streaming:
@@ -150,13 +150,13 @@ def switch_cost(records: list[RequestRecord], sent: float, answered: float) -> d
             across.append(r.end_time - t[-1])  # the gap to the stream's end, if the switch fell in it
         rows.append({"index": r.index, "largest_gap_ms": _ms(max(r.itls, default=None)),
                      "gap_across_switch_ms": _ms(max(across, default=None)), "median_itl_ms": _ms(percentile(r.itls, 50)),
-                     "moved": moved(r), "move_outcomes": [m.get("outcome") for m in moves(r)]})  # fmt: skip
+                     "moved": moved(found := moves(r)), "move_outcomes": [m.get("outcome") for m in found]})  # fmt: skip
     largest = [x["largest_gap_ms"] for x in rows if x["largest_gap_ms"] is not None]
     across = [x["gap_across_switch_ms"] for x in rows if x["gap_across_switch_ms"] is not None]
     itl = _ms(percentile((g for r in streaming for g in r.itls), 50))
     # the server may be decoding a reply whose first token has not reached the client: it moves too
     return {"streaming": len(streaming), "waiting_for_first_token": len(waiting),
-            "moved_per_timelines": sum(x["moved"] for x in rows) + sum(moved(r) for r in waiting),
+            "moved_per_timelines": sum(x["moved"] for x in rows) + sum(moved(moves(r)) for r in waiting),
             "largest_gap_max_ms": max(largest, default=None), "largest_gap_median_ms": percentile(largest, 50),
             "gap_across_switch_max_ms": max(across, default=None),
             "gap_across_switch_median_ms": percentile(across, 50), "median_itl_ms": itl,
