@@ -326,7 +326,7 @@ def test_a_reply_still_running_is_replayed_at_least_as_long_as_it_already_is():
     for i in range(20):  # the window: longer replies, still running, each 150 tokens in so far
         key = f"long{i}"
         a.on_arrival(now - 10 + i * 0.5, 30, 400, key)
-        router.requests[key] = SimpleNamespace(output_token_ids=[0] * 150)
+        router.requests[key] = SimpleNamespace(arrival=now - 10 + i * 0.5, output_token_ids=[0] * 150, token_times=[])
     snap, _ = a._open(now)
     running = [x for x in snap.arrivals if x.key and x.key.startswith("long")]
     assert [x.generated for x in running] == [150] * 20
@@ -403,3 +403,82 @@ def test_the_current_mode_is_judged_by_what_it_measured_where_that_is_worse_than
     a.behind = 0
     feed(a, now + 80, 2.0, 100, 20, 10.0)
     assert a.decide(now + 80)["decision"].startswith("stay")
+
+
+def test_running_replies_of_a_phase_whose_replies_run_to_their_max_tokens_are_replayed_to_it():
+    """Defect (default model, chat then generate, replies made to their max_tokens as bench's are):
+    a reply still running, longer than every finished one, was replayed as twice what it had made so
+    far. 40 tokens into a 400-token reply the replay saw an 80-token one and predicted the single
+    decode worker of disagg within the TPOT SLO while it met 5%."""
+    from minipd.server.advisor_sim import Arrival, _reply_tokens, reply_fill
+
+    finished = [Arrival(0.0, 100, 20, output_tokens=20) for _ in range(10)]  # each ran to its cap
+    fill = reply_fill(finished)
+    assert fill == 1.0
+    running = Arrival(1.0, 30, 400, generated=40)
+    done = sorted(x.output_tokens for x in finished)
+    assert _reply_tokens(running, done, fill) == 400
+    capped = [Arrival(0.0, 100, 200, output_tokens=50) for _ in range(10)]  # max_tokens as a loose cap
+    assert reply_fill(capped) == 0.25
+    assert _reply_tokens(Arrival(1.0, 30, 400, generated=40), [50] * 10, 0.25) == 100
+    assert _reply_tokens(Arrival(1.0, 30, 400, generated=150), [50] * 10, 0.25) == 300  # past it: the old rule
+    assert _reply_tokens(Arrival(1.0, 30, None, generated=40), [50] * 10, 0.25) == 50  # no cap: the old rule
+    assert reply_fill([Arrival(0.0, 100, None, output_tokens=50)]) is None
+
+
+def _running(router, a, now: float, count: int, tpot: float, ttft: float = 0.2, tokens: int = 30) -> None:
+    """Requests that arrived in the window and are still streaming, `tokens` made so far."""
+    from types import SimpleNamespace
+
+    for i in range(count):
+        arrival = now - 9 + i * 0.3
+        key = f"run{now:.3f}-{i}"
+        a.on_arrival(arrival, 30, 400, key)
+        times = [arrival + ttft + j * tpot for j in range(tokens)]
+        router.requests[key] = SimpleNamespace(arrival=arrival, output_token_ids=[0] * tokens, token_times=times)
+
+
+def _canned(here_goodput: float, here_attainment: float, other_goodput: float):
+    def predict(snap, entry):
+        here = {"label": "disagg:1p1d", "mode": {"name": "disagg", "prefill_workers": 1, "decode_workers": 1},
+                "goodput": here_goodput, "slo_attainment": here_attainment, "slo_margin": 1.0}  # fmt: skip
+        other = {"label": "chunked:256", "mode": {"name": "chunked", "chunk_tokens": 256}, "goodput": other_goodput,
+                 "slo_attainment": other_goodput, "slo_margin": 1.2}  # fmt: skip
+        entry.update(traffic={"rate": 1.0}, predictions=[here, other])
+        return entry
+
+    return predict
+
+
+def test_replies_still_streaming_past_the_tpot_slo_count_against_the_current_mode_at_once():
+    """Defect (default model, generate phase under disagg): only finished requests were measured, and
+    long replies under an overloaded decode worker finish long after the window they arrived in; the
+    advisor saw nothing wrong for two windows while every stream ran at twice the TPOT SLO."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)
+    now = time.time()
+    a._predict = _canned(1.0, 1.0, 1.0)
+    _running(router, a, now, 20, tpot=0.5)  # 30 tokens each, 0.5 s apart: past the 250 ms SLO
+    got = a.decide(now)
+    assert got["measured_current"]["running"] == 20 and got["measured_current"]["slo_attainment"] == 0.0
+    assert got["current_credited"] == 0.0 and got["switch_to"] is not None, got["decision"]
+    a.behind = 0
+    router.requests.clear()
+    _running(router, a, now + 10, 20, tpot=0.1)  # within the SLO so far: as predicted, stay
+    stay = a.decide(now + 10)
+    assert stay["measured_current"]["slo_attainment"] == 1.0 and stay["decision"].startswith("stay"), stay["decision"]
+    router.requests.clear()
+    _running(router, a, now + 20, 20, tpot=0.5, tokens=3)  # too few tokens to judge a TPOT: not counted
+    assert a.decide(now + 20)["measured_current"]["running"] == 0
+
+
+def test_a_mode_measured_within_the_slos_is_not_left_for_a_prediction_that_it_does_worse():
+    """Defect (default model, chat phase): colocated met 99% of the SLOs while the replay predicted
+    it at 80% against disagg's 100%; after two windows the advisor switched to a mode no better, and
+    the switch's moves cost replies their TPOT."""
+    router, a = advisor_with(model="sim")
+    now = time.time()
+    a._predict = _canned(0.8, 0.8, 1.0)
+    for k in range(2):
+        feed(a, now + 10 * k, 2.0, 100, 20, 10.0, tpot=0.01)  # every request measured within the SLOs
+        got = a.decide(now + 10 * k)
+        assert got["current_credited"] == pytest.approx(1.0) and got["switch_to"] is None, got["decision"]

@@ -36,6 +36,7 @@ from minipd.sim.profile import WorkerShape
 log = logging.getLogger("minipd.advisor")
 KEPT_STEPS = 800  # the fits use the last ones (a quiet window keeps the older ones)
 KEPT_ENTRIES = 500
+MIN_TOKENS_TO_JUDGE = 8  # a running reply's TPOT so far counts from this many tokens
 CHUNK_CANDIDATES = (256, 512)
 GOODPUT_MEANING = {"sim": "predicted: the window's requests replayed in the simulator, those within both SLOs per second",
                    "planner": "predicted: the highest rate up to the offered one at which the model meets both SLOs"}  # fmt: skip
@@ -184,7 +185,8 @@ class Advisor:
         self.last_mode = current.as_dict()
         entry = {"time": now, "window_s": cfg.window_s, "model": cfg.model, "current": current.as_dict(),
                  "measured": measured, "switch_to": None,
-                 "measured_current": self._measured([f for f in window if f.arrival >= self.mode_since])}  # fmt: skip
+                 "measured_current": self._measured([f for f in window if f.arrival >= self.mode_since],
+                                                    self._running_so_far(now))}  # fmt: skip
         arrived = [a for a in self.arrivals if a.time >= start]
         if len(arrived) < cfg.min_requests:
             entry["decision"] = "wait: too little traffic to predict"
@@ -267,35 +269,57 @@ class Advisor:
         return self._publish(entry)
 
     def _measured_credit(self, entry: dict, here: dict) -> float | None:
-        """The current mode judged by what it did as well: where its requests that finished in the
-        window met the SLOs less often than the replay predicts, its predicted goodput is scaled
-        down by the ratio (the live fit is optimistic once queues build). None where the window is
-        too thin. Only requests that arrived after the last switch count (the others ran partly under
-        another mode)."""
+        """The current mode judged by what it did rather than by what the replay says it does: its
+        predicted goodput scaled by measured over predicted SLO attainment. Down: the live fit is
+        optimistic once queues build. Up: a mode measured within the SLOs is not left for a
+        prediction that it does worse. Measured are the requests that finished in the window and
+        those still running, as far as they went. None where the window is too thin. Only
+        requests that arrived after the last switch count (the others ran partly under another
+        mode)."""
         cfg, m = self.config, entry["measured_current"]
         predicted = here.get("slo_attainment")
         if not cfg.credit_measured or predicted is None or m["slo_attainment"] is None:
             return None
         if m["requests"] < cfg.min_requests:
             return None
-        if m["slo_attainment"] >= predicted:
-            return None
-        return here["goodput"] * m["slo_attainment"] / max(predicted, 1e-9)
+        if predicted <= 0:  # predicted at nothing: the goodput it would have at the measured attainment
+            return entry["traffic"]["rate"] * m["slo_attainment"]
+        return here["goodput"] * m["slo_attainment"] / predicted
 
     def _publish(self, entry: dict) -> dict:
         self.entries.append(entry)
         self.router.events.publish({"type": "advisor", **{k: v for k, v in entry.items() if k != "predictions"}})
         return entry
 
-    def _measured(self, window: list[Finished]) -> dict:
+    def _running_so_far(self, now: float) -> list[bool]:
+        """For each request still running that arrived under the current mode and can be judged
+        yet: whether it is within both SLOs so far. A long reply finishes windows after it arrived;
+        one already past an SLO tells at once what its mode does to it."""
+        out = []
+        for state in list(self.router.requests.values()):
+            if state.arrival < self.mode_since:
+                continue
+            t = state.token_times
+            if not t:
+                if now - state.arrival > self.config.slo_ttft_s:
+                    out.append(False)
+            elif t[0] - state.arrival > self.config.slo_ttft_s:
+                out.append(False)
+            elif len(t) >= MIN_TOKENS_TO_JUDGE:
+                out.append((t[-1] - t[0]) / (len(t) - 1) <= self.config.slo_tpot_s)
+        return out
+
+    def _measured(self, window: list[Finished], running: list[bool] = ()) -> dict:
+        """The window's finished requests, and `running` (each one's status so far) beside them."""
         cfg = self.config
         good = [
             f for f in window if f.ttft is not None and f.ttft <= cfg.slo_ttft_s and (f.tpot or 0.0) <= cfg.slo_tpot_s
         ]
         ttfts = [f.ttft for f in window if f.ttft is not None]
         tpots = [f.tpot for f in window if f.tpot is not None]
-        return {"requests": len(window), "goodput": len(good) / cfg.window_s,
-                "slo_attainment": len(good) / len(window) if window else None,
+        judged = len(window) + len(running)
+        return {"requests": judged, "running": len(running), "goodput": len(good) / cfg.window_s,
+                "slo_attainment": (len(good) + sum(running)) / judged if judged else None,
                 "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
                 "tpot_mean_s": statistics.fmean(tpots) if tpots else None}  # fmt: skip
 

@@ -64,7 +64,8 @@ def replay(profile: Profile, arrivals: list[Arrival], mode: Mode, num_workers: i
         return score([], slo_ttft_s, slo_tpot_s, window_s)
     t0 = arrivals[0].time
     done = sorted(a.output_tokens for a in arrivals if a.output_tokens is not None)
-    requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, done), a.time - t0)
+    fill = reply_fill(arrivals)
+    requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, done, fill), a.time - t0)
                 for i, a in enumerate(arrivals)]  # fmt: skip
     records, _ = simulate(profile, requests, mode, num_workers, Options(transport=transport, seed=0))
     scored = [r for r, a in zip(records, arrivals) if a.time >= since]
@@ -79,12 +80,23 @@ def score(records: list[RequestRecord], slo_ttft_s: float, slo_tpot_s: float, wi
             "slo_attainment": good / len(records) if records else None, "goodput": good / window_s}  # fmt: skip
 
 
-def _reply_tokens(a: Arrival, done: list[int]) -> int:
-    """What the reply made, or for one still running (`generated` tokens so far) the median of the
-    finished replies longer than that, at most its max_tokens (a cap, often far above what a reply
+def reply_fill(arrivals: list[Arrival]) -> float | None:
+    """How far the finished replies went into their max_tokens (the median share): 1.0 where
+    replies run to their cap (a client that knows its lengths, as bench does), lower where
+    max_tokens is a loose cap. None where no finished reply had one."""
+    shares = sorted(a.output_tokens / a.max_tokens for a in arrivals if a.output_tokens is not None and a.max_tokens)
+    return shares[len(shares) // 2] if shares else None
+
+
+def _reply_tokens(a: Arrival, done: list[int], fill: float | None = None) -> int:
+    """What the reply made, or for one still running (`generated` tokens so far): its max_tokens
+    times the finished replies' `fill`, while it has made less than that; else the median of the
+    finished replies longer than it, at most its max_tokens (a cap, often far above what a reply
     makes). A reply longer than every finished one is taken to go on as long again."""
     if a.output_tokens is not None:
         return max(1, a.output_tokens)
+    if fill is not None and a.max_tokens and (expected := min(a.max_tokens, round(fill * a.max_tokens))) > a.generated:
+        return max(1, expected)
     longer = done[bisect.bisect_right(done, a.generated):]  # `done` is sorted
     typical = longer[len(longer) // 2] if longer else (2 * a.generated if a.generated else 256)
     return max(1, a.generated + 1, min(typical, a.max_tokens or typical))
