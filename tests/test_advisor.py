@@ -482,3 +482,34 @@ def test_a_mode_measured_within_the_slos_is_not_left_for_a_prediction_that_it_do
         feed(a, now + 10 * k, 2.0, 100, 20, 10.0, tpot=0.01)  # every request measured within the SLOs
         got = a.decide(now + 10 * k)
         assert got["current_credited"] == pytest.approx(1.0) and got["switch_to"] is None, got["decision"]
+
+
+def test_a_mode_measured_far_below_its_prediction_is_not_switched_back_to_while_that_is_fresh():
+    """Defect (default model, a generate phase past what any mode could serve): the replay predicted
+    every mode within the SLOs while each measured 0-15%; judged by measurement against the others'
+    predictions, each current mode lost by more than 100%, and the advisor switched every window
+    (colocated, chunked:256, chunked:512, chunked:256, colocated, ...), each switch costing replies."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)
+    now = time.time()
+
+    def predict(snap, entry):
+        labels = {"colocated": {"name": "colocated"}, "chunked:256": {"name": "chunked", "chunk_tokens": 256}}
+        current = "colocated" if router.mode.name == "colocated" else "chunked:256"
+        order = [current] + [x for x in labels if x != current]
+        rows = [{"label": x, "mode": labels[x], "goodput": 1.0, "slo_attainment": 1.0, "slo_margin": 1.0} for x in order]
+        entry.update(traffic={"rate": 1.0}, predictions=rows)
+        return entry
+
+    a._predict = predict
+    _running(router, a, now, 20, tpot=0.5)  # colocated: every stream past the TPOT SLO
+    first = a.decide(now)
+    assert first["switch_to"] is not None and first["switch_to"]["name"] == "chunked", first["decision"]
+    router.mode, a.mode_since = Mode(name="chunked", chunk_tokens=256), now + 0.5
+    router.requests.clear()
+    _running(router, a, now + 10, 20, tpot=0.5)  # chunked: no better
+    second = a.decide(now + 10)
+    assert second["switch_to"] is None, second["decision"]  # colocated measured as badly a window ago
+    assert second["predictions"][1]["label"] == "colocated" and second["predictions"][1]["measured_share"] == 0.0
+    router.requests.clear()
+    _running(router, a, now + 10 + a.config.history_s + 10, 20, tpot=0.5)  # a minute on: colocated may be tried again
+    assert a.decide(now + 10 + a.config.history_s + 10)["switch_to"] is not None

@@ -12,6 +12,10 @@ Two models predict (`model`):
 - "planner": the planner's mean-value queueing model (bench/plan.py). Cheap, but blind to tails
   (mean TPOT, no stall); kept to compare.
 
+The current mode is also judged by what it measured (finished and running requests), and a
+candidate that ran recently and measured below its prediction is discounted by that share (see
+_measured_credit and _discount).
+
 Every decision is kept with its prediction; one window later the measured outcome of that window
 (TTFT, TPOT, SLO attainment, goodput) is put beside it, so the advisor can be judged by what it
 did. Predicted goodput: "sim", requests within both SLOs per second; "planner", DistServe's, the
@@ -97,6 +101,7 @@ class Advisor:
         self.mode_since = 0.0  # when the mode last changed, as far as the advisor saw
         self.last_mode: dict | None = None
         self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
+        self.measured_share: dict[str, tuple[float, float]] = {}  # mode family -> (when, measured / predicted goodput)
         self.task: asyncio.Task | None = None
 
     # ---- what the router reports ----------------------------------------------------------------
@@ -239,10 +244,13 @@ class Advisor:
         if not rows:
             return self._publish(entry)
         here = rows[0]  # the current mode
-        best = max(rows[1:] or rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
         here_goodput = here["goodput"]
         if (credited := self._measured_credit(entry, here)) is not None:
             here_goodput = entry["current_credited"] = credited
+            self.measured_share[_family(here["label"])] = (entry["time"], credited / max(here["goodput"], 1e-9))
+        for c in rows[1:]:
+            self._discount(c, entry["time"])
+        best = max(rows[1:] or rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
         rate = entry["traffic"]["rate"]
         gain = (best["goodput"] - here_goodput) / max(here_goodput, 1e-3 * rate)
         leads = best["goodput"] > here_goodput and best["label"] != here["label"]
@@ -267,6 +275,16 @@ class Advisor:
             entry["switch_to"] = best["mode"]
             self.behind = 0
         return self._publish(entry)
+
+    def _discount(self, row: dict, now: float) -> None:
+        """A candidate that ran within history_s and measured below what the replay predicted for
+        it then is taken at that share of its prediction now: where the replay is blind to what
+        fails (every mode predicted within the SLOs, each measured far below), the advisor does not
+        switch back and forth between modes it has seen fail."""
+        seen = self.measured_share.get(_family(row["label"]))
+        if seen is not None and now - seen[0] <= self.config.history_s and seen[1] < 1.0:
+            row["measured_share"] = seen[1]
+            row["predicted_goodput"], row["goodput"] = row["goodput"], row["goodput"] * seen[1]
 
     def _measured_credit(self, entry: dict, here: dict) -> float | None:
         """The current mode judged by what it did rather than by what the replay says it does: its
@@ -446,6 +464,12 @@ def _local_prefill(p: Profile, t: Traffic, prompts: list[int], threshold: int, p
         rho = local.rate / decode * (p.prefill_fixed_s + p.prefill_per_token_s * local.prompt_tokens)
     tpot, _ = decode_tpot(p, t, decode)
     return ttft, (tpot / (1 - rho) if rho < 1 else float("inf"))
+
+
+def _family(label: str) -> str:
+    """A mode's label without its local-prefill threshold (a quantile of each window's prompts)."""
+    head, local, _ = label.partition(" local<")
+    return head + (" local" if local else "")
 
 
 def _quantile(xs: list[int], q: float) -> int:
