@@ -246,3 +246,11 @@ def test_repeats_must_be_positive_and_not_with_switch_at(capsys):
         with pytest.raises(SystemExit):
             bench_main.parse_args(argv)
         assert words in capsys.readouterr().err
+
+
+def test_a_url_where_nothing_answers_is_a_one_line_error(capsys, tmp_path):
+    """Defect: `bench --url` pointing at nothing ended in a urllib traceback."""
+    assert run(["--url", "http://127.0.0.1:9", "--num-prompts", "2", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach a server at http://127.0.0.1:9" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "b").exists()

@@ -158,7 +158,11 @@ def run(argv=None) -> int:
                            not args.no_progress, args.phases)  # fmt: skip
     server = None
     if args.url:
-        target = Target.probe(args.url, args.api_key)
+        try:
+            target = Target.probe(args.url, args.api_key)
+        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as err:  # unreachable, or not an OpenAI server
+            print(f"python -m minipd bench: error: cannot reach a server at {args.url}: {err}", file=sys.stderr)
+            return 2
     else:
         transport = args.kv_transport or ("tcp" if links else "shm")
         extra = ["--model", args.model] if args.model else []
