@@ -513,3 +513,21 @@ def test_a_mode_measured_far_below_its_prediction_is_not_switched_back_to_while_
     router.requests.clear()
     _running(router, a, now + 10 + a.config.history_s + 10, 20, tpot=0.5)  # a minute on: colocated may be tried again
     assert a.decide(now + 10 + a.config.history_s + 10)["switch_to"] is not None
+
+
+def test_a_switch_must_promise_a_share_of_the_traffic_not_only_a_ratio_over_nothing():
+    """Defect (default model, generate phase past capacity): chunked:256 measured 0 of 26 replies within
+    the SLOs and colocated, measured a window before at 7% of its prediction, was discounted to 0.11
+    req/s; over a base of 0 that is an unbounded gain, and the advisor switched for 0.11 req/s of a
+    1.2 req/s load, then back again."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)
+    now = time.time()
+    a._predict = _canned(1.0, 1.0, 0.05)  # the other mode: 5% of the traffic at best
+    _running(router, a, now, 20, tpot=0.5)  # the current mode: nothing within the SLOs
+    got = a.decide(now)
+    assert got["current_credited"] == 0.0 and got["switch_to"] is None, got["decision"]
+    assert got["decision"].startswith("stay")
+    router.requests.clear()
+    a._predict = _canned(1.0, 1.0, 0.5)  # half the traffic: worth a switch
+    _running(router, a, now + 10, 20, tpot=0.5)
+    assert a.decide(now + 10)["switch_to"] is not None

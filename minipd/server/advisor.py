@@ -258,14 +258,17 @@ class Advisor:
         said = "measured" if credited is not None else "predicted"
         change = f"{here_goodput:.2f} ({said}) -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here_goodput > 0 else "")
         # measured against predicted is not like for like (the replay is optimistic): a wider margin
-        behind = leads and gain > (cfg.credited_min_gain if credited is not None else cfg.min_gain)
+        margin = cfg.credited_min_gain if credited is not None else cfg.min_gain
+        # and a gain of a share of the traffic, not only a ratio (over a base near 0 any gain is large)
+        behind = leads and gain > margin and best["goodput"] - here_goodput > cfg.min_gain * rate
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
         self.behind = self.behind + 1 if behind else 0
         if not leads:
             entry["decision"] = f"stay: {here['label']} is predicted best"
         elif not behind:
-            entry["decision"] = f"stay: {best['label']} is predicted only {change} (threshold {cfg.min_gain:.0%})"
+            entry["decision"] = (f"stay: {best['label']} is predicted only {change} (threshold {margin:.0%}, "
+                                 f"and {cfg.min_gain:.0%} of the {rate:.2f} req/s offered)")  # fmt: skip
         elif self.behind < 2 and gain <= cfg.decisive_gain:
             entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
                                  "predicted behind again")  # fmt: skip
