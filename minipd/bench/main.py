@@ -149,7 +149,7 @@ def run(argv=None) -> int:
     from minipd.bench import phases as ph
     from minipd.bench import report
     from minipd.bench.server_process import ServerProcess
-    from minipd.bench.target import Target
+    from minipd.bench.target import Target, Unreachable
 
     rates = [float(r) for r in args.rates.split(",")]
     links = [float(x) for x in args.kv_link_gbps.split(",")] if args.kv_link_gbps else []
@@ -160,7 +160,7 @@ def run(argv=None) -> int:
     if args.url:
         try:
             target = Target.probe(args.url, args.api_key)
-        except (OSError, RuntimeError, ValueError, KeyError, IndexError) as err:  # unreachable, or not an OpenAI server
+        except Unreachable as err:
             print(f"python -m minipd bench: error: cannot reach a server at {args.url}: {err}", file=sys.stderr)
             return 2
     else:

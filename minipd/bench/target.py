@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from minipd.bench.server_process import http
 
 
+class Unreachable(RuntimeError):
+    """No OpenAI-compatible server answered at the URL (nothing listens, or something else does)."""
+
+
 @dataclass(slots=True)
 class Target:
     url: str
@@ -22,12 +26,15 @@ class Target:
     def probe(cls, url: str, api_key: str | None = None) -> Target:
         url = url.rstrip("/").removesuffix("/v1")
         t = cls(url, "", api_key)
-        status, models = t.get("/v1/models")
-        if status != 200:
-            raise RuntimeError(f"{url}/v1/models answered {status}: {models}")
-        card = models["data"][0]
-        t.model = card["id"]
-        t.max_model_len = int(card.get("max_model_len") or 8192)
+        try:
+            status, models = t.get("/v1/models")
+            if status != 200:
+                raise Unreachable(f"{url}/v1/models answered {status}: {models}")
+            card = models["data"][0]
+            t.model = card["id"]
+            t.max_model_len = int(card.get("max_model_len") or 8192)
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as err:  # nothing listens, or not an OpenAI server
+            raise Unreachable(str(err)) from err
         status, workers = t.get("/admin/workers")
         if status == 200 and isinstance(workers, dict) and "workers" in workers:
             t.is_minipd = True

@@ -324,18 +324,17 @@ class Advisor:
             if not t:
                 if now - state.arrival > self.config.slo_ttft_s:
                     out.append(False)
-            elif t[0] - state.arrival > self.config.slo_ttft_s:
-                out.append(False)
-            elif len(t) >= MIN_TOKENS_TO_JUDGE:
-                out.append((t[-1] - t[0]) / (len(t) - 1) <= self.config.slo_tpot_s)
+            elif len(t) >= MIN_TOKENS_TO_JUDGE or t[0] - state.arrival > self.config.slo_ttft_s:
+                out.append(self._meets(t[0] - state.arrival, (t[-1] - t[0]) / max(1, len(t) - 1)))
         return out
+
+    def _meets(self, ttft: float, tpot: float) -> bool:
+        return ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s
 
     def _measured(self, window: list[Finished], running: list[bool] = ()) -> dict:
         """The window's finished requests, and `running` (each one's status so far) beside them."""
         cfg = self.config
-        good = [
-            f for f in window if f.ttft is not None and f.ttft <= cfg.slo_ttft_s and (f.tpot or 0.0) <= cfg.slo_tpot_s
-        ]
+        good = [f for f in window if f.ttft is not None and self._meets(f.ttft, f.tpot or 0.0)]
         ttfts = [f.ttft for f in window if f.ttft is not None]
         tpots = [f.tpot for f in window if f.tpot is not None]
         judged = len(window) + len(running)

@@ -32,14 +32,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(argv=None) -> int:
     args = parse_args(argv)
     from minipd.bench.server_process import ServerProcess
-    from minipd.bench.target import Target
+    from minipd.bench.target import Target, Unreachable
     from minipd.sim.measure import measure
 
     server = None
     if args.url:
         try:
             target = Target.probe(args.url, args.api_key)
-        except (OSError, RuntimeError, ValueError, KeyError) as err:  # unreachable, or not an OpenAI server
+        except Unreachable as err:
             print(f"python -m minipd profile: error: cannot reach a minipd server at {args.url}: {err}", file=sys.stderr)
             return 2
         if not target.is_minipd:
