@@ -61,14 +61,17 @@ class ScheduledBatch:
     def shape(self) -> StepShape:
         """What the step costs depends on (the simulator's step-time model is fitted on these)."""
         out = StepShape()
+        decode_context = 0
         for s, n in zip(self.seqs, self.num_new_tokens):
-            if n > 1 or s.num_computed_tokens < s.num_prompt_tokens:
+            computed = s.num_computed_tokens
+            if n > 1 or computed < s.num_prompt_tokens:
                 out.prefilling.append(s.request_id)
                 out.prefill_tokens += n
-                out.prefill_attention += n * s.num_computed_tokens + n * (n + 1) // 2
+                out.prefill_attention += n * computed + n * (n + 1) // 2
             else:
-                out.decodes += 1
-                out.decode_context += s.num_computed_tokens + 1
+                decode_context += computed
+        out.decodes = len(self.seqs) - len(out.prefilling)
+        out.decode_context = decode_context + out.decodes
         return out
 
     def samples(self) -> list[bool]:
@@ -167,7 +170,7 @@ class Scheduler:
         """Prompts are read whole, before any running reply goes on: the stall, on purpose."""
         batch = ScheduledBatch()
         token_cap = self.config.max_num_batched_tokens
-        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+        for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]:
             if batch.seqs and batch.num_tokens + seq.num_uncomputed_tokens > token_cap:
                 break
             if seq.status is SequenceStatus.RUNNING and self._grow(seq, seq.num_uncomputed_tokens, batch):
@@ -192,7 +195,7 @@ class Scheduler:
         self._add_decodes(batch)
         chunk = self.config.chunk_tokens
         budget = max(chunk - len(batch.seqs), max(1, chunk // PREFILL_FLOOR_SHARE))
-        for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
+        for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens > 1]:
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -211,9 +214,15 @@ class Scheduler:
         return batch
 
     def _add_decodes(self, batch: ScheduledBatch) -> None:
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
-            if seq.status is SequenceStatus.RUNNING and self._grow(seq, 1, batch):
-                batch.add(seq, 1)
+        # the simulator runs this for every reply and step of a fleet: the common case stays inline
+        block_size, running = self.blocks.block_size, SequenceStatus.RUNNING
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]:
+            if seq.status is not running:
+                continue  # preempted earlier in this loop
+            if seq.num_computed_tokens < len(seq.block_table) * block_size or self._grow(seq, 1, batch):
+                seqs.append(seq)
+                counts.append(1)
 
     def _admit(self, seq: Sequence, n: int) -> bool:
         need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
@@ -257,35 +266,31 @@ class Scheduler:
         """Advance accounting; append sampled tokens. Returns sequences that left the running set
         this step (finished, or handed off)."""
         done = []
+        eos = self.config.eos_token_ids
+        max_len = min(self.config.max_model_len, self.blocks.num_blocks * self.blocks.block_size)
         for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
             seq.num_computed_tokens += n
             if token is None:
                 continue
-            seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                done.append(seq)
+            token_ids, p = seq.token_ids, seq.params
+            token_ids.append(token)
+            num_tokens = len(token_ids)
+            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+                reason = "stop"
+            elif num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= max_len:
+                reason = "length"
             elif seq.hand_off:
                 self.running.remove(seq)
                 seq.status = SequenceStatus.HANDOFF
                 self.handoffs[seq.request_id] = seq
                 done.append(seq)
+                continue
+            else:
+                continue
+            self.running.remove(seq)
+            self._finish(seq, reason)
+            done.append(seq)
         return done
-
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if not p.ignore_eos and token in self.config.eos_token_ids:
-            return "stop"
-        if token in p.stop_token_ids:
-            return "stop"
-        num_tokens = len(seq.token_ids)
-        if num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= self.config.max_model_len:
-            return "length"
-        if num_tokens >= self.blocks.num_blocks * self.blocks.block_size:
-            return "length"
-        return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._free(seq)

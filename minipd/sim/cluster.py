@@ -44,6 +44,14 @@ class SimRequest:
     events: dict = field(default_factory=dict)  # as a real request's timeline names them
 
 
+@dataclass(slots=True, eq=False)
+class SimSequence(Sequence):
+    """The scheduler's own Sequence, holding its request so that a step's tokens need no lookup."""
+
+    request: SimRequest | None = None
+    token_times: list[float] | None = None  # its request's record.token_times
+
+
 @dataclass(slots=True)
 class Options:
     transport: str = "shm"
@@ -126,8 +134,6 @@ class SimWorker:
         self.in_step = False
         self.busy_s += now - started
         self.steps += 1
-        sampled = [TOKEN if flag else None for flag in batch.samples()]
-        left = self.scheduler.postprocess(batch, sampled)
         host = sim.profile.host
         at_client = now + (draw(host.token_quantiles, sim.rng.random()) if host.token_quantiles else host.token_s)
         keys = []
@@ -135,15 +141,19 @@ class SimWorker:
         for key in shape.prefilling:
             requests[key].events.setdefault("prefill_start", started)
         tracing = sim.events is not None
-        for seq, token in zip(batch.seqs, sampled):
-            if token is not None:
-                sr = requests[seq.request_id]
-                times = sr.record.token_times
+        sampled = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # batch.samples(), and each sample's time, in one pass
+            if seq.num_computed_tokens + n == len(seq.token_ids):
+                sampled.append(TOKEN)
+                times = seq.token_times
                 if not times:
-                    sr.events["prefill_end"] = now
+                    seq.request.events["prefill_end"] = now
                 times.append(at_client)
                 if tracing:
                     keys.append(seq.request_id)
+            else:
+                sampled.append(None)
+        left = self.scheduler.postprocess(batch, sampled)
         if sim.events is not None:
             sim.events.append({"type": "step", "worker": self.id, "time": started, "end": now,
                                "prefill_tokens": shape.prefill_tokens, "decodes": shape.decodes, "keys": keys,
@@ -253,9 +263,9 @@ class Simulation:
 
     def _add(self, w: SimWorker, sr: SimRequest, hand_off: bool | None) -> None:
         r = sr.req
-        seq = Sequence.new(sr.key, [TOKEN] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True,
-                                                                          temperature=0.0))  # fmt: skip
-        seq.hand_off = hand_off
+        params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
+        seq = SimSequence.new(sr.key, [TOKEN] * r.prompt_len, params)
+        seq.hand_off, seq.request, seq.token_times = hand_off, sr, sr.record.token_times
         w.scheduler.add(seq)
 
     def _pump_seats(self) -> None:
@@ -307,7 +317,8 @@ class Simulation:
         reader.deliver(self._import, reader, sr, seq)
 
     def _import(self, reader: SimWorker, sr: SimRequest, seq: Sequence) -> None:
-        moved = Sequence.new(sr.key, seq.prompt_token_ids, seq.params)
+        moved = SimSequence.new(sr.key, seq.prompt_token_ids, seq.params)
+        moved.request, moved.token_times = sr, sr.record.token_times
         moved.token_ids = list(seq.token_ids)
         moved.num_computed_tokens = seq.num_computed_tokens
         moved.block_table = reader.blocks.claim_seat(sr.key)
