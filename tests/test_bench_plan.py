@@ -70,3 +70,12 @@ def test_nanopd_crossover_is_where_both_sides_are_equal():
     assert again["lhs"] == pytest.approx(again["rhs"])
     assert nanopd_rule(_profile(kv_bandwidth_bytes_s=1e12), 4.0)["disagg_pays"]
     assert not nanopd_rule(_profile(kv_bandwidth_bytes_s=1e3), 4.0)["disagg_pays"]
+
+
+def test_recommend_survives_a_profile_whose_decode_costs_fit_to_zero():
+    # a fast machine and a tiny model: the decode fit's fixed cost clamps to 0, so the model's TPOT is 0
+    p = _profile(prefill_fixed_s=0.0028, prefill_per_token_s=5.8e-6, decode_fixed_s=0.0, decode_per_seq_s=0.0,
+                 decode_per_context_token_s=0.0)  # what the end-to-end test's profile fit to on an AVX-512 machine
+    plan = recommend(p, Traffic(rate=4.0, prompt_tokens=1024, output_tokens=23), 2, 3.0, 0.3)
+    assert all(r["tpot_s"] == 0.0 and r["margin"] == pytest.approx(3.0 / r["ttft_s"]) for r in plan["options"])
+    assert plan["meets_slos"]

@@ -188,6 +188,11 @@ def colocated(p: Profile, t: Traffic, workers: int) -> tuple[float, float]:
     return ttft, (tpot / (1 - rho) if rho < 1 else float("inf"))
 
 
+def _margin(slo_s: float, predicted_s: float) -> float:
+    """How many times the prediction fits in the SLO (a fit of zero cost, on a fast machine, fits always)."""
+    return slo_s / predicted_s if predicted_s > 0 else float("inf")
+
+
 def recommend(p: Profile, t: Traffic, workers: int, slo_ttft_s: float, slo_tpot_s: float) -> dict:
     """Every split of `workers` (and co-located), scored by the tighter of the two SLO margins."""
     rows = []
@@ -196,10 +201,10 @@ def recommend(p: Profile, t: Traffic, workers: int, slo_ttft_s: float, slo_tpot_
         tpot, batch = decode_tpot(p, t, workers - prefill)
         rows.append({"split": f"{prefill}P{workers - prefill}D", "prefill": prefill, "decode": workers - prefill,
                      "ttft_s": ttft, "tpot_s": tpot, "decode_batch": batch,
-                     "margin": min(slo_ttft_s / ttft, slo_tpot_s / tpot)})  # fmt: skip
+                     "margin": min(_margin(slo_ttft_s, ttft), _margin(slo_tpot_s, tpot))})  # fmt: skip
     ttft, tpot = colocated(p, t, workers)
-    rows.append({"split": "colocated", "prefill": 0, "decode": 0, "ttft_s": ttft, "tpot_s": tpot,
-                 "decode_batch": None, "margin": min(slo_ttft_s / ttft, slo_tpot_s / tpot)})  # fmt: skip
+    rows.append({"split": "colocated", "prefill": 0, "decode": 0, "ttft_s": ttft, "tpot_s": tpot, "decode_batch": None,
+                 "margin": min(_margin(slo_ttft_s, ttft), _margin(slo_tpot_s, tpot))})  # fmt: skip
     best = max(rows, key=lambda r: r["margin"])
     return {"traffic": asdict(t), "workers": workers, "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s,
             "options": rows, "best": best, "meets_slos": best["margin"] >= 1.0}  # fmt: skip
