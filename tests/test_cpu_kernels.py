@@ -204,7 +204,13 @@ def test_fused_elementwise_steps_in_bfloat16_round_as_the_eager_ones_do():
     gate, up = gate_up.split(1539, dim=-1)
     eager = F.silu(gate) * up
     got = torch.ops.minipd.silu_and_mul(gate, up)
-    assert got.dtype == torch.bfloat16 and ((got.float() - eager.float()).abs() <= eager.float().abs() * 2**-7 + 1e-6).all()
+    # silu is rounded to bfloat16 before the product, as eager does; where float32 silu lies within an
+    # ulp or two of a rounding midpoint (silu(5.9375) is 1.2 float32 ulps below one), the two may round
+    # it apart by one bfloat16 ulp (2^-7 of the value at most) before the product's own rounding
+    assert got.dtype == torch.bfloat16
+    apart = got.float() != eager.float()
+    assert ((got.float() - eager.float()).abs() <= eager.float().abs() * (2**-7 + 2**-8) + 1e-6).all()
+    assert apart.float().mean() < 0.005, apart.float().mean()  # rare: near a midpoint only
     qkv = torch.randn(37, (9 + 3 + 3) * 64).bfloat16()
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
     q, k = q.view(37, 9, 64), k.view(37, 3, 64)
