@@ -323,8 +323,9 @@ def test_switch_at_needs_minipd(tmp_path, capsys):
 @pytest.mark.slow
 def test_switch_at_end_to_end_on_minipd(tmp_path, capsys):
     with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1") as s:
-        # replies of 150 tokens at 8 req/s: several stream through each switch, on both workers
-        code = run(["--url", s.url, "--input-len", "64", "--output-len", "150", "--rates", "8", "--duration", "3",
+        # replies of 1,500 tokens at 8 req/s: several stream through each switch, on both workers, even
+        # where the tiny model makes a token in 0.6 ms (150 tokens left one reply in flight at a switch there)
+        code = run(["--url", s.url, "--input-len", "64", "--output-len", "1500", "--rates", "8", "--duration", "3",
                     "--switch-at", "1:disagg:1p1d,2:colocated", "--slo-ttft-ms", "2000", "--slo-tpot-ms", "200",
                     "--out", str(tmp_path), "--no-progress"])  # fmt: skip
         last = s.get("/admin/mode")[1]
