@@ -64,13 +64,14 @@ def describe(head_dim: int = 64) -> dict:
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
     native_bf16 = cpu_kernels.native_bfloat16()
+    bf16_products = "bfloat16 dot products (avx512_bf16)" if cpu_kernels.bfloat16_dot() else "bfloat16 widened"
     many_rows_bf16 = ("PyTorch (oneDNN bfloat16)" if native_bf16 else
                       "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
     bf16 = {
         "prefill_attention": f"minipd paged_prefill ({isa}, float32 sums)" if cpu_kernels.paged_prefill_available(
             torch.bfloat16, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention + (", float32 sums" if built else ""),
-        "decode_linears": f"minipd small_linear ({isa}, bfloat16 weights, float32 sums) up to "
+        "decode_linears": f"minipd small_linear ({isa}, {bf16_products}, float32 sums) up to "
         f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,
         "prefill_linears": many_rows_bf16,
         "elementwise": f32["elementwise"],

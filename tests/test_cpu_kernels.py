@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minipd.models import cpu_kernels
+from minipd.models import cpu_kernels, kernel_build
 from minipd.models.attention import gather
 from minipd.models.linear import use_cpu_kernels
 from minipd.sampling_params import SamplingParams
@@ -79,6 +79,12 @@ def test_small_linear_in_bfloat16_is_the_float32_product_of_the_same_values_roun
                 assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
     finally:
         torch.set_num_threads(before)
+
+
+def test_small_linear_multiplies_bfloat16_with_dot_product_instructions_where_built_for_a_cpu_with_them():
+    flags = kernel_build.cpu_flags()
+    built_with = cpu_kernels.kernel_isa() == "avx512" and kernel_build.forced_isa() is None
+    assert cpu_kernels.bfloat16_dot() == (built_with and "avx512_bf16" in flags)
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # one thread calls the rows directly, more split them

@@ -19,6 +19,8 @@ def test_info_agrees_with_what_the_dispatch_chooses():
     prefill = got["paths"]["float32"]["prefill_attention"]
     assert prefill.startswith("minipd paged_prefill") == cpu_kernels.paged_prefill_available(torch.float32, 64)
     assert got["paths"]["float32"]["decode_linears"].startswith("minipd small_linear") == cpu_kernels.small_linear_available()
+    bf16_linears = got["paths"]["bfloat16"]["decode_linears"]
+    assert ("bfloat16 dot products" in bf16_linears) == (cpu_kernels.bfloat16_dot() and cpu_kernels.small_linear_available())
     assert got["threads"] == torch.get_num_threads() and got["versions"]["torch"] == torch.__version__
     text = info.render(got)
     assert got["cpu"]["name"] in text and "float32 (default)" in text and "bfloat16" in text

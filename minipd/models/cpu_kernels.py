@@ -60,6 +60,12 @@ def native_bfloat16() -> bool:
     return bool(kernel_build.bfloat16_instructions(kernel_build.cpu_flags()))
 
 
+def bfloat16_dot() -> bool:
+    """small_linear multiplies bfloat16 with the CPU's dot-product instruction (built with AVX512-BF16);
+    otherwise it widens bfloat16 to float32 in registers."""
+    return available() and bool(torch.ops.minipd.bfloat16_dot())
+
+
 def small_rows_beside_packed() -> int:
     return ROWS_BESIDE_PACKED.get(kernel_isa() or "", SMALL_LINEAR_MAX_ROWS)
 

@@ -8,6 +8,7 @@ namespace minipd_ops {
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 std::string kernel_isa();
+bool bfloat16_dot();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 void rope_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin);

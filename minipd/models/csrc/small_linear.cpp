@@ -2,7 +2,8 @@
 // sums), over vec.h (AVX-512, AVX2, NEON): each row of w is streamed from memory once, prefetched
 // ahead, and meets all M rows of x (as float32) while in registers. At batch 1 to 8 this reads the
 // weights at close to the memory's speed, where a general GEMM falls well short; bfloat16 weights
-// are half the bytes, widened in registers (exact), so no CPU needs bfloat16 instructions for it.
+// are half the bytes, widened in registers (exact), so no CPU needs bfloat16 instructions for it;
+// where the CPU has AVX512-BF16 they are multiplied with its dot-product instruction instead.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -102,6 +103,70 @@ void rows(int64_t M, const float* xp, const W* wp, const float* bp, float* yp, i
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MINIPD_BF16_DOT 1
+// bfloat16 x and w on a CPU with AVX512-BF16: vdpbf16ps multiplies 32 pairs of bfloat16 into 16
+// float32 sums at once (each product exact, the sums float32), where the widening path needs two
+// widenings and two FMAs for the same 32 values. Two sums per pair of rows in flight, the
+// prefetch of the AVX-512 float32 shapes above.
+namespace bf16_dot {
+
+constexpr int E = 32;  // bfloat16 values per vector
+
+inline __m512bh load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+template <int M, int AHEAD>
+void rows_of(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t N, int64_t K, int64_t n0,
+             int64_t n1) {
+  using minipd_vec::to_float;
+  const int64_t ahead = AHEAD > 0 ? AHEAD / 2 : -AHEAD * K;  // in elements
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * K;
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 2 * E <= K; k += 2 * E)
+      for (int u = 0; u < 2; ++u) {
+        if (AHEAD != 0) minipd_vec::prefetch(row + k + E * u + ahead);
+        const __m512bh wv = load(row + k + E * u);
+        for (int m = 0; m < M; ++m) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load(x + m * K + k + E * u), wv);
+      }
+    for (; k + E <= K; k += E) {
+      const __m512bh wv = load(row + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load(x + m * K + k), wv);
+    }
+    for (int m = 0; m < M; ++m) {
+      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+      for (int64_t kk = k; kk < K; ++kk) s += to_float(x[m * K + kk]) * to_float(row[kk]);
+      y[m * N + n] = s + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+
+template <int M, int AHEAD>
+void run(const uint16_t* x, const uint16_t* w, const float* b, float* y, int64_t N, int64_t K) {
+  if (at::get_num_threads() == 1) return rows_of<M, AHEAD>(x, w, b, y, N, K, 0, N);
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) { rows_of<M, AHEAD>(x, w, b, y, N, K, n0, n1); });
+}
+
+void rows(int64_t M, const uint16_t* x, const uint16_t* w, const float* b, float* y, int64_t N, int64_t K) {
+  switch (M) {
+    case 1: run<1, 4096>(x, w, b, y, N, K); break;
+    case 2: run<2, 4096>(x, w, b, y, N, K); break;
+    case 3: run<3, 4096>(x, w, b, y, N, K); break;
+    case 4: run<4, -4>(x, w, b, y, N, K); break;
+    case 5: run<5, -4>(x, w, b, y, N, K); break;
+    case 6: run<6, -4>(x, w, b, y, N, K); break;
+    case 7: run<7, -4>(x, w, b, y, N, K); break;
+    default: run<8, -4>(x, w, b, y, N, K); break;
+  }
+}
+
+}  // namespace bf16_dot
+#else
+#define MINIPD_BF16_DOT 0
+#endif
+
 }  // namespace
 
 at::Tensor minipd_ops::small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -113,14 +178,22 @@ at::Tensor minipd_ops::small_linear(const at::Tensor& x, const at::Tensor& w, co
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   // x and the bias are small: read as float32 (exact for bfloat16); y rounds once, at the end
-  auto xf = x.to(at::kFloat).contiguous();
-  auto y = at::empty({M, N}, xf.options());
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   at::Tensor bf;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     bf = bias->to(at::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
+#if MINIPD_BF16_DOT
+  if (dtype == at::kBFloat16) {
+    auto xb = x.contiguous();
+    bf16_dot::rows(M, minipd_elements::data<uint16_t>(xb), minipd_elements::data<uint16_t>(w), bp,
+                   y.data_ptr<float>(), N, K);
+    return y.to(dtype);
+  }
+#endif
+  auto xf = x.to(at::kFloat).contiguous();
   minipd_elements::with_elements(dtype, [&](auto e) {
     rows(M, xf.data_ptr<float>(), minipd_elements::data<decltype(e)>(w), bp, y.data_ptr<float>(), N, K);
   });
@@ -130,10 +203,17 @@ at::Tensor minipd_ops::small_linear(const at::Tensor& x, const at::Tensor& w, co
 // the instruction set the kernels were built for (vec.h): "avx512", "avx2", "neon" or "scalar"
 std::string minipd_ops::kernel_isa() { return MINIPD_VEC_ISA; }
 
+// whether small_linear multiplies bfloat16 with the CPU's bfloat16 dot-product instructions
+bool minipd_ops::bfloat16_dot() { return MINIPD_BF16_DOT; }
+
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("kernel_isa() -> str");
+  m.def("bfloat16_dot() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("small_linear", &minipd_ops::small_linear); }
-TORCH_LIBRARY_IMPL(minipd, CompositeExplicitAutograd, m) { m.impl("kernel_isa", &minipd_ops::kernel_isa); }
+TORCH_LIBRARY_IMPL(minipd, CompositeExplicitAutograd, m) {
+  m.impl("kernel_isa", &minipd_ops::kernel_isa);
+  m.impl("bfloat16_dot", &minipd_ops::bfloat16_dot);
+}

@@ -1,0 +1,54 @@
+"""small_linear in bfloat16 against float32 and PyTorch's bfloat16 product (oneDNN), on the default
+model's decode shapes (30 layers of q/k/v, o, gate/up and down), at 1, 2, 4 and 8 rows, one thread:
+GB/s of weights read (bfloat16 is half the bytes of float32 for the same layers). Run it from two
+checkouts to compare two builds of the kernel; the float32 column, the same code in both, is the
+control for the machine's drift between the runs.
+
+    python scripts/bench_small_linear_bf16.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from minipd.models import cpu_kernels
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2-135M's linears
+LAYERS = 30
+
+
+def gb_per_s(weights: list[torch.Tensor], rows: int, product, rounds: int = 5) -> float:
+    xs = {k: torch.randn(rows, k).to(weights[0].dtype) for k in {w.shape[1] for w in weights}}
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    best = float("inf")
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for w in weights:
+            product(xs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels are not built here: {cpu_kernels.error()}")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    f32 = [torch.randn(n, k) for _ in range(LAYERS) for n, k in LAYER_SHAPES]
+    bf16 = [w.bfloat16() for w in f32]
+    print(f"kernels {cpu_kernels.kernel_isa()}, bfloat16 dot products: {cpu_kernels.bfloat16_dot()}; "
+          f"bfloat16 instructions: {cpu_kernels.native_bfloat16()}; one thread; GB/s of weights read")  # fmt: skip
+
+    def small(x, w):
+        return torch.ops.minipd.small_linear(x, w, None)
+
+    for rows in (1, 2, 4, 8):
+        a, b, c = gb_per_s(bf16, rows, small), gb_per_s(f32, rows, small), gb_per_s(bf16, rows, F.linear)
+        print(f"rows {rows}: small_linear bf16 {a:5.1f}, small_linear f32 {b:5.1f}, F.linear bf16 {c:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
