@@ -9,18 +9,16 @@ control for the machine's drift between the runs.
 
 from __future__ import annotations
 
+import argparse
 import time
-
-import torch
-import torch.nn.functional as F
-
-from minipd.models import cpu_kernels
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of SmolLM2-135M's linears
 LAYERS = 30
 
 
-def gb_per_s(weights: list[torch.Tensor], rows: int, product, rounds: int = 5) -> float:
+def gb_per_s(weights: list, rows: int, product, rounds: int = 5) -> float:
+    import torch
+
     xs = {k: torch.randn(rows, k).to(weights[0].dtype) for k in {w.shape[1] for w in weights}}
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     best = float("inf")
@@ -33,6 +31,14 @@ def gb_per_s(weights: list[torch.Tensor], rows: int, product, rounds: int = 5) -
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,2,4,8", help="batch sizes (rows of x), at most 8")
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    from minipd.models import cpu_kernels
+
     if not cpu_kernels.available():
         raise SystemExit(f"the CPU kernels are not built here: {cpu_kernels.error()}")
     torch.set_num_threads(1)
@@ -45,7 +51,7 @@ def main() -> None:
     def small(x, w):
         return torch.ops.minipd.small_linear(x, w, None)
 
-    for rows in (1, 2, 4, 8):
+    for rows in (int(r) for r in args.rows.split(",")):
         a, b, c = gb_per_s(bf16, rows, small), gb_per_s(f32, rows, small), gb_per_s(bf16, rows, F.linear)
         print(f"rows {rows}: small_linear bf16 {a:5.1f}, small_linear f32 {b:5.1f}, F.linear bf16 {c:5.1f}")
 
