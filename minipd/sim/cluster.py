@@ -51,6 +51,12 @@ class SimSequence(Sequence):
     request: SimRequest | None = None
     token_times: list[float] | None = None  # its request's record.token_times
 
+    @classmethod
+    def of(cls, sr: SimRequest, token_ids: list[int], params: SamplingParams) -> SimSequence:
+        seq = cls.new(sr.key, token_ids, params)
+        seq.request, seq.token_times = sr, sr.record.token_times
+        return seq
+
 
 @dataclass(slots=True)
 class Options:
@@ -264,8 +270,8 @@ class Simulation:
     def _add(self, w: SimWorker, sr: SimRequest, hand_off: bool | None) -> None:
         r = sr.req
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
-        seq = SimSequence.new(sr.key, [TOKEN] * r.prompt_len, params)
-        seq.hand_off, seq.request, seq.token_times = hand_off, sr, sr.record.token_times
+        seq = SimSequence.of(sr, [TOKEN] * r.prompt_len, params)
+        seq.hand_off = hand_off
         w.scheduler.add(seq)
 
     def _pump_seats(self) -> None:
@@ -317,8 +323,7 @@ class Simulation:
         reader.deliver(self._import, reader, sr, seq)
 
     def _import(self, reader: SimWorker, sr: SimRequest, seq: Sequence) -> None:
-        moved = SimSequence.new(sr.key, seq.prompt_token_ids, seq.params)
-        moved.request, moved.token_times = sr, sr.record.token_times
+        moved = SimSequence.of(sr, seq.prompt_token_ids, seq.params)
         moved.token_ids = list(seq.token_ids)
         moved.num_computed_tokens = seq.num_computed_tokens
         moved.block_table = reader.blocks.claim_seat(sr.key)
