@@ -8,7 +8,9 @@ Output: a table per workload and concurrency (output tok/s, median TTFT, median 
 minipd/vLLM ratios: a throughput ratio > 1 and latency ratios < 1 favour minipd), and in --out the
 raw JSON of every `vllm bench serve` run, its log, each server's log and summary.json.
 
-Fairness. Both servers run float32 weights and KV, with prefix caching off (vLLM:
+Fairness. Both servers run the same weights and KV dtype (--dtype float32, the default, or
+bfloat16; --dtype default passes none, so each runs its own default: minipd float32, vLLM the
+model's bfloat16), with prefix caching off (vLLM:
 --no-enable-prefix-caching; minipd has none), the same scheduling policy (vLLM's CPU default:
 chunked prefill with a budget of 2048 tokens per step, every running decode first; minipd:
 --mode chunked --chunk-tokens 2048, the default of --minipd-args), greedy sampling, one engine on len(--cores) threads
@@ -57,6 +59,12 @@ def parse_args():
         "--workloads",
         default="256:128,1024:128",
         help="comma-separated INPUT:OUTPUT token lengths (random dataset, fixed lengths)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "default"],
+        help="weights and KV of both servers; default: each server's own (no --dtype given)",
     )
     ap.add_argument("--concurrency", default="1,4", help="comma-separated --max-concurrency values")
     ap.add_argument("--num-prompts", type=int, default=32, help="prompts per run")
@@ -119,6 +127,7 @@ def main() -> None:  # noqa: C901 - one straight script
     vllm_bin = os.path.join(args.vllm_venv, "bin", "vllm")
     if not os.access(vllm_bin, os.X_OK):
         sys.exit(f"no {vllm_bin}: install vLLM CPU there (see --help)")
+    dtype_args = [] if args.dtype == "default" else ["--dtype", args.dtype]
     minipd_model = [] if args.model is None else ["--model", args.model]  # default: the same weights, its GGUF
     if args.model is None:
         from minipd.models.files import resolve
@@ -130,7 +139,7 @@ def main() -> None:  # noqa: C901 - one straight script
     print(
         f"model {args.model}\nengine cores {cores}, front ends and client on {others or 'the same cores'}"
         f" (--pin {args.pin})\nworkloads {workloads}, concurrency {concurrency}, {num_prompts} prompts,"
-        f" seed {args.seed}\nresults in {out}",
+        f" seed {args.seed}, dtype {args.dtype}\nresults in {out}",
         flush=True,
     )
     if not others:
@@ -206,8 +215,7 @@ def main() -> None:  # noqa: C901 - one straight script
                     "1",
                     "--threads-per-worker",
                     n,
-                    "--dtype",
-                    "float32",
+                    *dtype_args,
                     *minipd_model,
                     *shlex.split(args.minipd_args),
                 ]
@@ -222,8 +230,7 @@ def main() -> None:  # noqa: C901 - one straight script
                     "127.0.0.1",
                     "--served-model-name",
                     args.served_model_name,
-                    "--dtype",
-                    "float32",
+                    *dtype_args,
                     "--no-enable-prefix-caching",
                     "--disable-uvicorn-access-log",
                     *shlex.split(args.vllm_args),
