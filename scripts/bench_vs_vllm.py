@@ -107,6 +107,8 @@ def main() -> None:  # noqa: C901 - one straight script
     import urllib.error
     import urllib.request
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as Ctrl-C: the running server is stopped on the way out
+
     def cpu_list(spec: str) -> list[int]:
         out = []
         for part in spec.split(","):
