@@ -56,6 +56,26 @@ def test_chunked_puts_decodes_first_then_fills_the_budget():
     assert s.find("b").num_output_tokens == 1
 
 
+def test_a_batch_says_how_many_of_its_first_sequences_each_sample():
+    for policy in ("prefill_first", "chunked"):
+        s = make(policy, chunk=8)
+        s.add(seq("a", 5))
+        s.add(seq("b", 3))
+        s.add(seq("c", 30, SamplingParams(max_tokens=40, temperature=0)))
+        shapes = set()
+        for _ in range(12):
+            batch = s.schedule()
+            k = batch.num_single
+            before = [x.num_uncomputed_tokens for x in batch.seqs]
+            assert all(batch.samples()[:k]) and batch.num_new_tokens[:k] == [1] * k
+            assert all(u > 1 for u in before[k:])  # the rest read prompt chunks
+            shapes.add((k > 0, k < len(batch.seqs)))
+            s.postprocess(batch, [7 if w else None for w in batch.samples()])
+        assert (False, True) in shapes and (True, False) in shapes
+        if policy == "chunked":
+            assert (True, True) in shapes  # replies and a prompt chunk in one step
+
+
 def test_prefill_role_hands_off_after_first_token():
     s = make(role="prefill")
     s.add(seq("a", 6))

@@ -45,6 +45,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_single: int = 0  # the first seqs read their one uncomputed token: each of them samples
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -214,6 +215,7 @@ class Scheduler:
         return batch
 
     def _add_decodes(self, batch: ScheduledBatch) -> None:
+        """A step's first sequences: every running one with one token to read."""
         # the simulator runs this for every reply and step of a fleet: the common case stays inline
         block_size, running = self.blocks.block_size, SequenceStatus.RUNNING
         seqs, counts = batch.seqs, batch.num_new_tokens
@@ -223,6 +225,7 @@ class Scheduler:
             if seq.num_computed_tokens < len(seq.block_table) * block_size or self._grow(seq, 1, batch):
                 seqs.append(seq)
                 counts.append(1)
+        batch.num_single = len(seqs)
 
     def _admit(self, seq: Sequence, n: int) -> bool:
         need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)

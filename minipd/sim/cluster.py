@@ -147,18 +147,26 @@ class SimWorker:
         for key in shape.prefilling:
             requests[key].events.setdefault("prefill_start", started)
         tracing = sim.events is not None
-        sampled = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):  # batch.samples(), and each sample's time, in one pass
-            if seq.num_computed_tokens + n == len(seq.token_ids):
-                sampled.append(TOKEN)
-                times = seq.token_times
-                if not times:
-                    seq.request.events["prefill_end"] = now
-                times.append(at_client)
-                if tracing:
-                    keys.append(seq.request_id)
-            else:
-                sampled.append(None)
+        seqs = batch.seqs
+        if batch.num_single == len(seqs) and not shape.prefilling:  # replies only: each samples, none its first
+            sampled = [TOKEN] * len(seqs)
+            for seq in seqs:
+                seq.token_times.append(at_client)
+            if tracing:
+                keys = [seq.request_id for seq in seqs]
+        else:
+            sampled = []
+            for seq, n in zip(seqs, batch.num_new_tokens):  # batch.samples(), and each sample's time, in one pass
+                if seq.num_computed_tokens + n == len(seq.token_ids):
+                    sampled.append(TOKEN)
+                    times = seq.token_times
+                    if not times:
+                        seq.request.events["prefill_end"] = now
+                    times.append(at_client)
+                    if tracing:
+                        keys.append(seq.request_id)
+                else:
+                    sampled.append(None)
         left = self.scheduler.postprocess(batch, sampled)
         if sim.events is not None:
             sim.events.append({"type": "step", "worker": self.id, "time": started, "end": now,
