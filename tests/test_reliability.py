@@ -366,6 +366,17 @@ def test_two_servers_side_by_side_and_one_killed_hard():
         assert len(glob.glob(f"/dev/shm/minipd_{survivor.proc.pid}-*_cache*")) == 2
 
 
+def test_a_worker_slow_to_start_writes_its_stacks_to_the_log_and_the_server_waits_for_it():
+    """Defect: once, in CI, a server's workers never became ready and nothing said what they were
+    waiting on. A worker not ready after --worker-timeout now dumps its threads (faulthandler)."""
+    with serving(*TINY, "--workers", "1", "--worker-timeout", "2",
+                 env={"MINIPD_FAULTS": "hang_at_start_s=6"}) as s:  # fmt: skip
+        out = s.output()
+        assert "[0] not ready after 2 s" in out
+        assert "hread 0x" in out and "launch.py" in out and "in run_worker" in out  # where it was then
+        assert completion(s, [1, 2, 3], max_tokens=3)[0] == 200
+
+
 def wait_gone(pid: int, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":

@@ -101,7 +101,8 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--gpus", default=None, help="cuda: comma-separated GPU indices, one worker each (default: all)")
     g.add_argument("--worker-timeout", type=float, default=60.0,
                    help="a worker silent this long (no heartbeat: stopped, frozen) or stuck this long outside a "
-                        "step is killed and replaced; a long step is not silence (see --step-timeout)")
+                        "step is killed and replaced; a long step is not silence (see --step-timeout). A worker "
+                        "not ready this long after start writes its threads' stacks to the log")
     g.add_argument("--step-timeout", type=float, default=600.0,
                    help="a single engine step running longer than this is taken for a hang (inside the model) "
                         "and its worker is replaced; a step merely slower than --worker-timeout is fine")
@@ -290,7 +291,7 @@ async def serve(args, configs: list[dict], mode) -> None:
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         log.info("minipd: listening on http://%s:%d (health: 503 until the workers are ready)", args.host, args.port)
-        await pool.start(router.on_message)
+        await pool.start(router.on_message, report_after=args.worker_timeout)
         supervisor.watch_all()
         tasks.append(_guard(loop.create_task(_pump(pool, route)), router, "the message pump"))
         tasks.append(_guard(loop.create_task(supervisor.run()), router, "the supervisor"))

@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -101,14 +102,19 @@ class WorkerPool:
         w.draining = w.leaving = False
         return w
 
-    async def start(self, on_message, timeout: float = 300.0) -> None:
-        """Start every worker and wait until all are ready."""
+    async def start(self, on_message, timeout: float = 300.0, report_after: float = 60.0) -> None:
+        """Start every worker and wait until all are ready. Those not ready after `report_after`
+        seconds are asked for their stacks (faulthandler, into the log), once: what a start waits on."""
         for w in self.workers:
             self.spawn(w.worker_id)
         pending = {w.worker_id for w in self.workers}
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        report_at = loop.time() + report_after
         while pending:
+            if report_at is not None and loop.time() > report_at:
+                report_at = None
+                self.report_stacks(sorted(pending), f"not ready after {report_after:g} s")
             for i in pending:
                 if not self.workers[i].process.is_alive():
                     raise RuntimeError(f"worker {i} exited while starting (exit code "
@@ -128,6 +134,16 @@ class WorkerPool:
                 on_message(msg)
         for w in self.workers:
             w.state = "up"
+
+    def report_stacks(self, worker_ids: list[int], why: str) -> None:
+        log.warning("worker(s) %s %s; each one's threads follow (SIGUSR1, faulthandler)", worker_ids, why)
+        for i in worker_ids:
+            proc = self.workers[i].process
+            if proc is not None and proc.pid is not None and proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
 
     def on_ready(self, msg: m.Ready) -> bool:
         """Record a worker's Ready; False if it came from an incarnation that is already gone."""

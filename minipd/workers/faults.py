@@ -8,6 +8,7 @@ variable, e.g. MINIPD_FAULTS="fail_step_on_token=4242,slow_kv_copy_s=0.5". Off u
     bad_stats_on_token=T       a request whose prompt has token T makes the worker send nonsense stats
     hang_on_token=T            a request whose prompt has token T hangs the worker's loop (outside a step)
     fail_kv_write_on_token=T   the prefill worker fails to start writing the KV of a prompt with token T
+    hang_at_start_s=S          the worker sleeps S seconds before it reports Ready (a start that hangs)
 
 The KV of a prompt with token T on its way (the middle part is the one numbered parts // 2):
 
@@ -48,6 +49,8 @@ def install(worker) -> None:
     if not faults:
         return
     log.warning("worker %d: test faults active: %s", worker.id, faults)
+    if "hang_at_start_s" in faults:
+        time.sleep(faults["hang_at_start_s"])
     if "fail_step_on_token" in faults:
         poison = int(faults["fail_step_on_token"])
         runner = worker.engine.runner

@@ -24,8 +24,10 @@ def run_worker(spec: WorkerSpec) -> None:
     """The worker process's entry point (spawned). A terminal's Ctrl-C (or systemd's SIGTERM to the
     whole group) is the main process's to handle: it drains, then tells the workers to stop. A
     SIGTERM to this worker alone asks the main process to move its requests away and stop it."""
+    import faulthandler
     import signal
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the server asks when a start takes too long
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the worker can say it is leaving
     from minipd.workers.worker import Worker
