@@ -29,6 +29,8 @@ def parse_args():
     ap.add_argument("--steps", type=int, default=8, help="decode steps timed per row")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds; each side keeps its best")
     ap.add_argument("--batches", default="1,8,32", help="decode batch sizes")
+    ap.add_argument("--contexts", default="512,2048",
+                    help="decode rows: 512 (every sequence at 512) and/or 2048 (contexts 512-2048 mixed)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, one round")
     ap.add_argument("--against", default="transformers", choices=["transformers", "float32"],
                     help="the other side: transformers in --dtype, or minipd itself in float32")  # fmt: skip
@@ -192,7 +194,7 @@ def main() -> None:
             m, h = alternate(lambda: minipd_prefill(n), lambda: other_prefill(n))
             row(f"prefill {n} tok/s", m, h, rate / (2 * layer_params))
         for b in batches:
-            for longest in (512, 2048):
+            for longest in [int(c) for c in args.contexts.split(",")]:
                 ctx = contexts(b, longest)
                 m, h = alternate(lambda: minipd_decode(ctx), lambda: other_decode(ctx))
                 step_bytes = all_params * esize + sum(ctx) * kv_per_token
