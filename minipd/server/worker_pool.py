@@ -61,6 +61,16 @@ class WorkerHandle:
                 "cache_dtype": i.kv_cache_dtype, "cache_handle": i.kv_cache_handle}  # fmt: skip
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for `signum` (Linux's /proc; False where it cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) & (1 << (signum - 1)))
+
+
 class WorkerPool:
     def __init__(self, engine_configs: list[dict], kv_transport: str = "shm", kv_link_gbps: float | None = None,
                  kv_link_latency_ms: float = 0.0, kv_transfer_timeout: float = 60.0, seat_timeout: float = 300.0):
@@ -111,10 +121,17 @@ class WorkerPool:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         report_at = loop.time() + report_after
+        unasked: list[int] = []
         while pending:
             if report_at is not None and loop.time() > report_at:
                 report_at = None
-                self.report_stacks(sorted(pending), f"not ready after {report_after:g} s")
+                unasked = self.report_stacks(sorted(pending), f"not ready after {report_after:g} s")
+            elif unasked:
+                unasked = [i for i in unasked if i in pending]
+                able = [i for i in unasked if catches_signal(self.workers[i].process.pid, signal.SIGUSR1)]
+                if able:
+                    unasked = [i for i in unasked if i not in able]
+                    self.report_stacks(able, "not ready yet, now able to answer")
             for i in pending:
                 if not self.workers[i].process.is_alive():
                     raise RuntimeError(f"worker {i} exited while starting (exit code "
@@ -126,8 +143,8 @@ class WorkerPool:
                     raise RuntimeError("workers did not become ready in time") from None
                 continue
             if isinstance(msg, m.Ready):
-                self.on_ready(msg)
-                pending.discard(msg.worker_id)
+                if self.on_ready(msg):
+                    pending.discard(msg.worker_id)
             elif isinstance(msg, m.Heartbeat):
                 self.on_heartbeat(msg)
             else:
@@ -135,15 +152,24 @@ class WorkerPool:
         for w in self.workers:
             w.state = "up"
 
-    def report_stacks(self, worker_ids: list[int], why: str) -> None:
+    def report_stacks(self, worker_ids: list[int], why: str) -> list[int]:
+        """Ask these workers to write their threads' stacks to the log. Returns those that cannot be
+        asked yet: SIGUSR1 ends a process that has not installed its handler, so they are not sent it."""
         log.warning("worker(s) %s %s; each one's threads follow (SIGUSR1, faulthandler)", worker_ids, why)
+        not_yet = []
         for i in worker_ids:
             proc = self.workers[i].process
-            if proc is not None and proc.pid is not None and proc.is_alive():
-                try:
-                    os.kill(proc.pid, signal.SIGUSR1)
-                except ProcessLookupError:
-                    pass
+            if proc is None or proc.pid is None or not proc.is_alive():
+                continue
+            if not catches_signal(proc.pid, signal.SIGUSR1):
+                log.warning("worker %d is still starting its interpreter; its stacks follow once it can write them", i)
+                not_yet.append(i)
+                continue
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        return not_yet
 
     def on_ready(self, msg: m.Ready) -> bool:
         """Record a worker's Ready; False if it came from an incarnation that is already gone."""

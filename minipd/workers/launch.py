@@ -27,7 +27,10 @@ def run_worker(spec: WorkerSpec) -> None:
     import faulthandler
     import signal
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the server asks when a start takes too long
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # the server asks when a start takes too long
+    except (RuntimeError, ValueError, OSError):  # no usable stderr: the server then never asks (see SigCgt)
+        pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the worker can say it is leaving
     from minipd.workers.worker import Worker
