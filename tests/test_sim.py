@@ -285,3 +285,27 @@ def test_profile_and_plan_refuse_what_they_cannot_read(tmp_path, capsys):
     assert "cannot reach a minipd server" in capsys.readouterr().err and not (tmp_path / "p.json").exists()
     assert plan_run(["--profile", str(tmp_path / "missing.json"), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]) == 2
     assert "cannot read the profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["colocated", "chunked:64", "disagg:1p1d"])
+def test_the_replies_only_shortcut_gives_the_same_run_as_the_general_path(mode, monkeypatch):
+    """The simulator samples a step of replies only without looking at each one's counts; with
+    that shortcut turned off (no batch says its sequences each sample) every time must be equal."""
+    from minipd.engine.scheduler import Scheduler
+
+    s = ex.Settings(40, None, 1.0, 5, True, None, None, None, 2000.0, 200.0, False)
+    p = profile(num_blocks=48, step=StepCost(**{**{k: getattr(STEP, k) for k in STEP.__slots__}, "noise": [0.9, 1.3]}))
+    label, body = ex.parse_mode(mode)
+    fast = sim_once(p, "chat", label, body, 4.0, s, 2)
+    schedule = Scheduler.schedule
+
+    def general_path_only(self):
+        batch = schedule(self)
+        batch.num_single = -1
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", general_path_only)
+    general = sim_once(p, "chat", label, body, 4.0, s, 2)
+    assert fast["summary"]["completed"] == 40
+    assert [r.token_times for r in fast["records"]] == [r.token_times for r in general["records"]]
+    assert [r.server_timeline for r in fast["records"]] == [r.server_timeline for r in general["records"]]
