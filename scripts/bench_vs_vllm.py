@@ -251,15 +251,22 @@ def main() -> None:  # noqa: C901 - one straight script
             whole = cores if args.pin == "all" else None
             print(f"[{name}] starting: {shlex.join(cmd)}", flush=True)
             self.t0 = time.monotonic()
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=self.log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=(lambda: os.sched_setaffinity(0, whole)) if whole else None,
-            )
-            self.pids: set[int] = {self.proc.pid}
+
+            def in_child() -> None:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
+                if whole:
+                    os.sched_setaffinity(0, whole)
+
+            # a SIGTERM now would leave the server running without a handle to stop it: it waits
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+            try:
+                self.proc = subprocess.Popen(
+                    cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=in_child
+                )
+                self.pids: set[int] = {self.proc.pid}
+                servers_started.append(self)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM])
 
         def wait_ready(self) -> None:
             deadline = time.monotonic() + args.ready_timeout
@@ -413,9 +420,10 @@ def main() -> None:  # noqa: C901 - one straight script
 
     results: dict[tuple, dict] = {}
     t_all = time.monotonic()
+    servers_started: list[Server] = []
     for name in servers:
-        server = Server(name)
         try:
+            server = Server(name)
             server.wait_ready()
             server.pin_processes()
             warm_up(server)
@@ -423,7 +431,8 @@ def main() -> None:  # noqa: C901 - one straight script
                 for conc in concurrency:
                     results[(name, n_in, n_out, conc)] = bench(server, n_in, n_out, conc)
         finally:
-            server.stop()
+            while servers_started:
+                servers_started.pop().stop()
 
     rows = []
     metrics = (
