@@ -5,6 +5,10 @@ caches, so every call reads from memory). Prints GB/s of
 weights read and the ratio to a plain read stream measured in the same process, one thread.
 
     python scripts/bench_small_linear.py
+    python scripts/bench_small_linear.py --against HEAD~1   # a kernel change, side by side
+
+--against REV also builds the kernels of git revision REV (under other namespaces, so both load in
+this process) and adds its column and the ratio of the working tree's kernel to it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="rows of x (the decode batch)")
     ap.add_argument("--repeats", type=int, default=5, help="best of this many passes")
+    ap.add_argument("--against", metavar="REV", help="also time the small-row kernel of this git revision")
     args = ap.parse_args()
     import torch
 
@@ -45,20 +50,51 @@ def main() -> None:
     print(f"read stream {bw / 1e9:.1f} GB/s; weights {total / 1e6:.0f} MB per pass; GB/s (fraction of the stream)")
     onednn = torch.ops.mkldnn._linear_pointwise
     packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights}  # as --prepack holds them
-    ways = {
-        "minipd": lambda x, w: torch.ops.minipd.small_linear(x, w, None),
+    ways = {"minipd": lambda x, w: torch.ops.minipd.small_linear(x, w, None)}
+    if args.against:
+        ways[f"minipd@{args.against}"] = kernel_of_revision(args.against)
+    ways |= {
         "F.linear": torch.nn.functional.linear,
         "oneDNN": lambda x, w: onednn(x, w, None, "none", [], ""),
         "oneDNN packed": lambda x, w: onednn(x, packed[id(w)], None, "none", [], ""),
     }
-    print(f"{'rows':>4}" + "".join(f"{name:>17}" for name in ways))
+    print(f"{'rows':>4}" + "".join(f"{name:>17}" for name in ways) + ("  minipd / then" if args.against else ""))
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {hidden: torch.randn(m, hidden), inter: torch.randn(m, inter)}
             for fn in ways.values():  # same answers, or the comparison means nothing
                 torch.testing.assert_close(fn(xs[inter], weights[3]), xs[inter] @ weights[3].t(), rtol=1e-4, atol=1e-3)
             rates = [total / best(lambda: [fn(xs[w.shape[1]], w) for w in weights]) for fn in ways.values()]
-            print(f"{m:>4}" + "".join(f"{r / 1e9:>10.1f} ({r / bw:>4.0%})" for r in rates), flush=True)
+            ratio = f"{rates[0] / rates[1]:>12.2f}x" if args.against else ""
+            print(f"{m:>4}" + "".join(f"{r / 1e9:>10.1f} ({r / bw:>4.0%})" for r in rates) + ratio, flush=True)
+
+
+def kernel_of_revision(rev: str):
+    """small_linear as built from the kernel sources of git revision `rev`, renamed so that it loads
+    beside the working tree's (same flags)."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from minipd.models import kernel_build
+
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    csrc = kernel_build.CSRC.relative_to(root).as_posix()
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, csrc + "/"], capture_output=True, text=True,
+                           check=True, cwd=root).stdout.split()  # fmt: skip
+    folder = Path(tempfile.mkdtemp(prefix="minipd-kernels-"))
+    for name in names:
+        text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, text=True, check=True, cwd=root).stdout
+        text = re.sub(r"\b(minipd_ops|minipd_vec|minipd_elements)\b", r"\1_then", text)
+        text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(minipd,", r"TORCH_LIBRARY\1(minipd_then,", text)
+        (folder / Path(name).name).write_text(text)
+    load(name="minipd_kernels_then", sources=[str(p) for p in sorted(folder.glob("*.cpp"))],
+         extra_cflags=kernel_build.cflags(), build_directory=str(folder), is_python_module=False)  # fmt: skip
+    return lambda x, w: torch.ops.minipd_then.small_linear(x, w, None)
 
 
 if __name__ == "__main__":
