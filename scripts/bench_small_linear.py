@@ -21,6 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="rows of x (the decode batch)")
     ap.add_argument("--repeats", type=int, default=5, help="best of this many passes")
+    ap.add_argument("--only", choices=["down"], help="only the MLP's down projections (K 1,536): 106 MB")
     ap.add_argument("--against", metavar="REV", help="also time the small-row kernel of this git revision")
     args = ap.parse_args()
     import torch
@@ -33,20 +34,25 @@ def main() -> None:
     hidden, inter, kv, vocab, layers = 576, 1536, 192, 49152, 30  # SmolLM2-135M
     shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * layers + [
         (vocab, hidden)]  # q/k/v and gate/up stacked, as minipd holds them  # fmt: skip
+    if args.only == "down":
+        shapes = [(hidden, inter)] * layers
     weights = [torch.randn(n, k) for n, k in shapes]
     total = sum(w.numel() for w in weights) * 4
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
+    def best(*fns) -> list[float]:
+        """Each fn's best time, their passes taken in turn so that drifts in the machine's speed
+        fall on all of them alike."""
+        times = [[] for _ in fns]
+        for i in range(args.repeats + 1):
+            for fn, took in zip(fns, times):
+                t = time.perf_counter()
+                fn()
+                if i:  # the first pass warms up
+                    took.append(time.perf_counter() - t)
+        return [min(took) for took in times]
 
     stream = torch.ones(128 * 2**20)
-    bw = stream.numel() * 4 / best(stream.sum)
+    bw = stream.numel() * 4 / best(stream.sum)[0]
     print(f"read stream {bw / 1e9:.1f} GB/s; weights {total / 1e6:.0f} MB per pass; GB/s (fraction of the stream)")
     onednn = torch.ops.mkldnn._linear_pointwise
     packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights}  # as --prepack holds them
@@ -64,7 +70,8 @@ def main() -> None:
             xs = {hidden: torch.randn(m, hidden), inter: torch.randn(m, inter)}
             for fn in ways.values():  # same answers, or the comparison means nothing
                 torch.testing.assert_close(fn(xs[inter], weights[3]), xs[inter] @ weights[3].t(), rtol=1e-4, atol=1e-3)
-            rates = [total / best(lambda: [fn(xs[w.shape[1]], w) for w in weights]) for fn in ways.values()]
+            passes = [lambda fn=fn: [fn(xs[w.shape[1]], w) for w in weights] for fn in ways.values()]
+            rates = [total / t for t in best(*passes)]
             ratio = f"{rates[0] / rates[1]:>12.2f}x" if args.against else ""
             print(f"{m:>4}" + "".join(f"{r / 1e9:>10.1f} ({r / bw:>4.0%})" for r in rates) + ratio, flush=True)
 
@@ -73,6 +80,7 @@ def kernel_of_revision(rev: str):
     """small_linear as built from the kernel sources of git revision `rev`, renamed so that it loads
     beside the working tree's (same flags)."""
     import re
+    import shutil
     import subprocess
     import tempfile
     from pathlib import Path
@@ -92,8 +100,11 @@ def kernel_of_revision(rev: str):
         text = re.sub(r"\b(minipd_ops|minipd_vec|minipd_elements)\b", r"\1_then", text)
         text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(minipd,", r"TORCH_LIBRARY\1(minipd_then,", text)
         (folder / Path(name).name).write_text(text)
-    load(name="minipd_kernels_then", sources=[str(p) for p in sorted(folder.glob("*.cpp"))],
-         extra_cflags=kernel_build.cflags(), build_directory=str(folder), is_python_module=False)  # fmt: skip
+    try:
+        load(name="minipd_kernels_then", sources=[str(p) for p in sorted(folder.glob("*.cpp"))],
+             extra_cflags=kernel_build.cflags(), build_directory=str(folder), is_python_module=False)  # fmt: skip
+    finally:
+        shutil.rmtree(folder)  # once loaded, the library needs no file
     return lambda x, w: torch.ops.minipd_then.small_linear(x, w, None)
 
 
