@@ -286,3 +286,59 @@ async def test_a_chat_template_that_refuses_the_messages_is_a_400():
         resp = await client.post("/v1/chat/completions", json=body)
         err = await error_of(resp)
         assert resp.status == 400 and "alternate" in err["message"] and err["param"] == "messages"
+
+
+LONE_SURROGATES = [  # JSON may escape half of a UTF-16 pair; Python then holds a str no codec can encode
+    ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["a \\udc80"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/completions", '{"prompt": "hi", "stop": "x\\ud800", "stream": true}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udc80"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+     "messages"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path,body,param", LONE_SURROGATES)
+async def test_text_with_a_lone_surrogate_is_refused_as_the_clients_error(tokenizer, path, body, param):
+    """Defect: a prompt, message or stop string holding half a surrogate pair got a 500 (the
+    tokenizer's TypeError, or msgpack's encode error when the request was placed)."""
+    async with api_client(tokenizer) as client:
+        resp = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+        err = await error_of(resp)
+        assert resp.status == 400 and err["param"] == param and "surrogate" in err["message"], err
+        # a whole pair is a character like any other: judged further on (no workers here: 503)
+        ok = body.replace("\\ud800", "\\ud83d\\ude00").replace("\\udc80", "\\ud83d\\ude00")
+        assert (await client.post(path, data=ok, headers={"Content-Type": "application/json"})).status == 503
+
+
+async def test_a_text_content_part_needs_its_text(tokenizer):
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [{"type": "text"}]}]})
+        assert resp.status == 400 and (await error_of(resp))["param"] == "messages"
+
+
+@pytest.mark.parametrize("worker_id", ["-1", "-2", "99", "abc", "1e3"])
+@pytest.mark.parametrize("action", ["drain", "resume"])
+async def test_a_worker_id_that_names_no_worker_is_not_found(worker_id, action):
+    """Defect: /admin/workers/-1/drain drained the last worker (a Python negative index)."""
+    async with api_client() as client:
+        client.api.router.pool.workers.extend(["first", "second"])  # never reached: refused before use
+        resp = await client.post(f"/admin/workers/{worker_id}/{action}", json={})
+        assert resp.status == 404 and (await error_of(resp))["code"] == "not_found"
+        client.api.router.pool.workers.clear()
+
+
+async def test_a_body_that_claims_gzip_but_is_not_is_refused():
+    """Defect: 'Content-Encoding: gzip' over bytes that are not gzip gave a 500 (and two tracebacks)."""
+    async with api_client() as client:
+        resp = await client.post("/v1/completions", data=b"notgzip",
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})  # fmt: skip
+        assert resp.status == 400 and "gzip" in (await error_of(resp))["message"]
+
+
+@pytest.mark.parametrize("since", ["nan", "inf", "abc"])
+async def test_the_event_stream_wants_a_finite_time(since):
+    async with api_client() as client:
+        resp = await client.get(f"/admin/events?since={since}")
+        assert resp.status == 400 and (await error_of(resp))["param"] == "since"

@@ -7,11 +7,13 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
@@ -370,10 +372,11 @@ class Api:
                                   "goodput": GOODPUT_MEANING[a.config.model], "decisions": list(a.entries)})  # fmt: skip
 
     def _worker(self, request):
-        try:
-            w = self.router.pool.workers[int(request.match_info["worker_id"])]
-        except (ValueError, IndexError):
-            raise NotFound(f"no worker {request.match_info['worker_id']!r}", code="not_found") from None
+        name = request.match_info["worker_id"]
+        workers = self.router.pool.workers
+        if not (name.isascii() and name.isdigit() and int(name) < len(workers)):  # not -1: the last one
+            raise NotFound(f"no worker {name!r}", code="not_found")
+        w = workers[int(name)]
         if not w.alive:
             raise ApiError(f"worker {w.worker_id} is {w.state}, not up", 409)
         return w
@@ -408,6 +411,8 @@ class Api:
         ?since=T first replays what is kept from time T on (seconds since the epoch)."""
         try:
             since = float(request.query.get("since", time.time()))
+            if not math.isfinite(since):
+                raise ValueError(since)
         except ValueError:
             raise InvalidRequest("'since' must be a number of seconds since the epoch", param="since") from None
         log_ = self.router.events
@@ -453,7 +458,11 @@ class Api:
         if (request.charset or "utf-8").lower().replace("_", "-") not in ("utf-8", "utf8"):
             raise ApiError(f"JSON bodies are UTF-8 (RFC 8259); got charset {request.charset!r}", 415)
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()
+        except RequestPayloadError as err:  # e.g. Content-Encoding: gzip over bytes that are not gzip
+            raise ApiError(f"the request body could not be read: {str(err).strip()}") from None
+        try:
+            body = json.loads(raw)
         except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ApiError("the request body is not valid JSON (or nests too deeply)") from None
         if not isinstance(body, dict):

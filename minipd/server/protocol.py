@@ -95,6 +95,8 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
                        f"each", param="stop")  # fmt: skip
+    for text in stop:
+        check_text(text, "stop")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
@@ -136,6 +138,17 @@ def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int,
                                                   f"most {max_token_chars} characters each can hold")  # fmt: skip
 
 
+def check_text(text: str, param: str) -> str:
+    """JSON may escape half of a UTF-16 surrogate pair (\\ud800): Python holds it, but no tokenizer
+    or encoder takes it. Refused as the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(f"'{param}' holds a lone UTF-16 surrogate (U+{ord(text[err.start]):04X}) at character "
+                       f"{err.start}: not valid Unicode", param=param) from None  # fmt: skip
+    return text
+
+
 def completion_prompt(body: dict, max_model_len: int, max_token_chars: int) -> str | list[int]:
     """The prompt as text (still to be tokenized) or as token ids, refused early when it cannot fit."""
     prompt = body.get("prompt")
@@ -145,7 +158,7 @@ def completion_prompt(body: dict, max_model_len: int, max_token_chars: int) -> s
         if not prompt:
             raise ApiError("'prompt' must not be empty", param="prompt")
         check_prompt_chars(len(prompt), max_model_len, max_token_chars, "prompt")
-        return prompt
+        return check_text(prompt, "prompt")
     if isinstance(prompt, list) and len(prompt) >= max_model_len:
         raise context_error(max_model_len, "prompt", f"{len(prompt)} tokens")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -171,10 +184,10 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
             num_parts += len(content)
             if num_parts > max_model_len:
                 raise ApiError(f"the messages have more than {max_model_len} content parts", param="messages")
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):  # fmt: skip
-                raise ApiError("only text content parts are supported", param="messages")
-            content = "".join(p.get("text", "") for p in content)
+                raise ApiError("only text content parts are supported, each with its 'text'", param="messages")
+            content = "".join(p["text"] for p in content)
         if content is None and msg["role"] == "assistant":
             content = ""
         if not isinstance(content, str):
@@ -183,6 +196,8 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
         role = "system" if msg["role"] == "developer" else msg["role"]
         clean.append({"role": role, "content": content})
     check_prompt_chars(num_chars, max_model_len, max_token_chars, "messages")
+    for msg in clean:
+        check_text(msg["content"], "messages")
     return clean
 
 
