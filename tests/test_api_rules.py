@@ -185,6 +185,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"min_tokens": 5}, "min_tokens"),
     ({"use_beam_search": True}, "use_beam_search"),
+    ({"n": True}, "n"),
+    ({"n": 2}, "n"),
     ({"prompt": [1] * 5000}, "prompt"),
     ({"prompt": [1] * 100_000 + ["x"]}, "prompt"),
 ])  # fmt: skip

@@ -61,7 +61,8 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     refuse_unsupported(body)
     for name in ("n", "best_of"):
-        if body.get(name, 1) not in (1, None):
+        value = body.get(name)
+        if value is not None and (type(value) is not int or value != 1):  # true == 1 in Python
             raise ApiError(f"'{name}' other than 1 is not supported", param=name)
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
         raise ApiError("logprobs are not supported", param="logprobs")
