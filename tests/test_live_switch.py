@@ -278,3 +278,31 @@ def test_without_rebalancing_a_worker_that_came_back_stays_empty_until_new_reque
         results, timelines = _crowd_then_resume(server)
         texts(results)
         assert all(not t["moves"] and t["decode_worker"] == 0 for t in timelines)
+
+
+def test_a_prompt_half_read_when_its_worker_turns_to_decode_is_read_on_in_chunks():
+    """Defect (found by a helper on the default model): switching chunked -> disagg while a
+    1,777-token prompt was half read made the new decode worker read the other 1,399 tokens in one
+    7.3 s step; its replies stalled that long, and the switch answered only after it."""
+    from tests.test_reliability import events_since
+
+    with serving(*TINY, "--mode", "chunked", "--chunk-tokens", "16", env={"MINIPD_FAULTS": "slow_step_s=0.02"}) as server:
+        prompts = [[7 + i, 11, 13, 17] * 300 for i in range(2)]  # one per worker, 75 chunks of 16 each
+        switched = []
+
+        async def run():
+            async def switch():
+                await asyncio.sleep(0.5)
+                answer = await asyncio.get_running_loop().run_in_executor(None, server.post, "/admin/mode", {"mode": "disagg"})
+                switched.append(time.time())
+                return answer
+
+            return await asyncio.gather(stream_completions(server.url, prompts, 8), switch())
+
+        started = time.time()
+        results, (status, answer) = asyncio.run(run())
+        assert status == 200, answer
+        texts(results)
+        steps = [e for e in events_since(server, started) if e["type"] == "step" and e["worker"] == 1]
+        after = [e for e in steps if e["time"] >= switched[0]]
+        assert after and max(e["prefill_tokens"] for e in steps) <= 16, [e["prefill_tokens"] for e in after]

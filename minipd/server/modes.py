@@ -46,9 +46,12 @@ class Mode:
                 raise InvalidRequest(f"disagg needs prefill_workers >= 1 and decode_workers >= 1 with P + D <= "
                                      f"{num_workers} workers, got {p}P{d}D", param="prefill_workers")  # fmt: skip
 
-    @property
-    def policy(self) -> str:
-        return "chunked" if self.name == "chunked" else "prefill_first"
+    def policy(self, role: str) -> str:
+        """How a worker of this role schedules. In disagg a decode worker reads a prompt (a local
+        prefill, or one a switch caught half read) in chunks beside its replies, never whole."""
+        if self.name == "chunked" or (self.name == "disagg" and role == "decode"):
+            return "chunked"
+        return "prefill_first"
 
     def roles(self, num_workers: int) -> list[str]:
         if self.name != "disagg":
@@ -166,7 +169,7 @@ class ModeSwitcher:
         self.acks = {w.worker_id: loop.create_future() for w in up}
         peers = r.pool.peers()
         for w in up:
-            r.pool.send(w.worker_id, m.SetMode(_engine_role(roles[w.worker_id]), mode.policy, mode.chunk_tokens, peers,
+            r.pool.send(w.worker_id, m.SetMode(_engine_role(roles[w.worker_id]), mode.policy(roles[w.worker_id]), mode.chunk_tokens, peers,
                                                [mode.kv_link_gbps, mode.kv_link_latency_ms]))  # fmt: skip
         done = set()
         if self.acks:
@@ -190,7 +193,7 @@ class ModeSwitcher:
             fut = asyncio.get_running_loop().create_future()
             self.acks[worker_id] = fut
             mode = r.mode
-            r.pool.send(worker_id, m.SetMode(_engine_role(w.role), mode.policy, mode.chunk_tokens, r.pool.peers(),
+            r.pool.send(worker_id, m.SetMode(_engine_role(w.role), mode.policy(w.role), mode.chunk_tokens, r.pool.peers(),
                                              [mode.kv_link_gbps, mode.kv_link_latency_ms]))  # fmt: skip
             error = await asyncio.wait_for(fut, timeout=self.ack_timeout)
             if error:

@@ -72,7 +72,7 @@ class SimWorker:
         w = sim.profile.worker
         self.sim, self.id, self.role = sim, worker_id, role
         self.blocks = BlockManager(w.num_blocks, w.block_size)
-        config = SchedulerConfig(policy=mode.policy, role="both" if role == "idle" else role,
+        config = SchedulerConfig(policy=mode.policy(role), role="both" if role == "idle" else role,
                                  chunk_tokens=mode.chunk_tokens, max_num_seqs=w.max_num_seqs,
                                  max_num_batched_tokens=w.max_num_batched_tokens, max_model_len=w.max_model_len)  # fmt: skip
         self.scheduler = Scheduler(config, self.blocks)
