@@ -25,10 +25,10 @@ MAX_MODEL_LEN = 2048
 
 
 @asynccontextmanager
-async def api_client(tokenizer=None, listen_host="127.0.0.1", max_model_len=MAX_MODEL_LEN, **guard):
+async def api_client(tokenizer=None, listen_host="127.0.0.1", max_model_len=MAX_MODEL_LEN, api_key=None, **guard):
     pool = WorkerPool([])
     router = Router(pool, tokenizer, Metrics("tiny"))
-    api = Api(router, "tiny", max_model_len, guard=BrowserGuard(listen_host, **guard))
+    api = Api(router, "tiny", max_model_len, api_key=api_key, guard=BrowserGuard(listen_host, **guard))
     try:
         async with TestClient(TestServer(api.app(), host="127.0.0.1")) as client:
             client.api = api
@@ -186,6 +186,10 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"min_tokens": 5}, "min_tokens"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"n": True}, "n"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
     ({"n": 2}, "n"),
     ({"prompt": [1] * 5000}, "prompt"),
     ({"prompt": [1] * 100_000 + ["x"]}, "prompt"),
@@ -344,3 +348,14 @@ async def test_the_event_stream_wants_a_finite_time(since):
     async with api_client() as client:
         resp = await client.get(f"/admin/events?since={since}")
         assert resp.status == 400 and (await error_of(resp))["param"] == "since"
+
+
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+async def test_the_authorization_scheme_is_case_insensitive(scheme):
+    """RFC 9110: the scheme's case does not matter (the key's does)."""
+    async with api_client(api_key="s3cret") as client:
+        resp = await client.get("/v1/models", headers={"Authorization": f"{scheme} s3cret"})
+        assert resp.status == 200
+        for wrong in (f"{scheme} S3CRET", f"{scheme}s3cret", "s3cret", "Basic s3cret", ""):
+            resp = await client.get("/v1/models", headers={"Authorization": wrong})
+            assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key", wrong

@@ -106,8 +106,8 @@ def require_api_key(key: str):
     @web.middleware
     async def check(request: web.Request, handler):
         if request.path.startswith(("/v1", "/admin")):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), key.encode()):  # RFC 9110
                 return json_error(ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", 401,
                                            type_="invalid_request_error", code="invalid_api_key"))  # fmt: skip
         return await handler(request)

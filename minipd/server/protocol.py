@@ -26,8 +26,9 @@ INT64 = 2**63
 UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "prompt_logprobs", "min_p",
                "min_tokens", "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
-               "prediction", "web_search_options")  # fmt: skip
-HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
+               "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
+               "continue_final_message", "documents", "mm_processor_kwargs")  # fmt: skip
+HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,)}
 
 
 def refuse_unsupported(body: dict) -> None:
