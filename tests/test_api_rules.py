@@ -324,7 +324,7 @@ async def test_a_text_content_part_needs_its_text(tokenizer):
         assert resp.status == 400 and (await error_of(resp))["param"] == "messages"
 
 
-@pytest.mark.parametrize("worker_id", ["-1", "-2", "99", "abc", "1e3"])
+@pytest.mark.parametrize("worker_id", ["-1", "-2", "99", "abc", "1e3", "9" * 5000])
 @pytest.mark.parametrize("action", ["drain", "resume"])
 async def test_a_worker_id_that_names_no_worker_is_not_found(worker_id, action):
     """Defect: /admin/workers/-1/drain drained the last worker (a Python negative index)."""
@@ -356,6 +356,19 @@ async def test_the_authorization_scheme_is_case_insensitive(scheme):
     async with api_client(api_key="s3cret") as client:
         resp = await client.get("/v1/models", headers={"Authorization": f"{scheme} s3cret"})
         assert resp.status == 200
-        for wrong in (f"{scheme} S3CRET", f"{scheme}s3cret", "s3cret", "Basic s3cret", ""):
+        resp = await client.get("/v1/models", headers={"Authorization": f"{scheme}   s3cret"})  # 1*SP
+        assert resp.status == 200
+        for wrong in (f"{scheme} S3CRET", f"{scheme}s3cret", "s3cret", "Basic s3cret", "", f"{scheme}\ts3cret"):
             resp = await client.get("/v1/models", headers={"Authorization": wrong})
             assert resp.status == 401 and (await error_of(resp))["code"] == "invalid_api_key", wrong
+
+
+async def test_an_authorization_header_that_is_not_utf8_is_refused_not_a_crash():
+    async with api_client(api_key="s3cret") as client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \xff\xfe\r\n"
+                     b"Connection: close\r\n\r\n")  # fmt: skip
+        await writer.drain()
+        status_line = await reader.readline()
+        writer.close()
+        assert b" 401 " in status_line, status_line

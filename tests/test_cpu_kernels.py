@@ -69,7 +69,7 @@ def test_small_linear_in_bfloat16_is_the_float32_product_of_the_same_values_roun
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n, k in ((1537, 576), (64, 100), (3, 1536), (5, 1541)):
+        for n, k in ((1537, 576), (64, 100), (3, 1536), (5, 1541), (700, 1541)):
             x, w, b = (torch.randn(rows, k) * 4).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
             for bias in (b, None):
                 got = torch.ops.minipd.small_linear(x, w, bias)
@@ -94,7 +94,7 @@ def test_small_linear_equals_f_linear(rows, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for n, k in ((1537, 576), (64, 100), (3, 1536), (5, 1541)):  # odd sizes reach the tails (and K's tiles')
+        for n, k in ((1537, 576), (64, 100), (3, 1536), (5, 1541), (700, 1541)):  # odd sizes reach the tails (and K's tiles')
             x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
             assert torch.allclose(torch.ops.minipd.small_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
             assert torch.allclose(torch.ops.minipd.small_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-5)

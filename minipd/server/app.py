@@ -107,7 +107,8 @@ def require_api_key(key: str):
     async def check(request: web.Request, handler):
         if request.path.startswith(("/v1", "/admin")):
             scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), key.encode()):  # RFC 9110
+            given = given.lstrip(" ").encode("utf-8", "surrogateescape")  # RFC 9110: 1*SP; any bytes
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, key.encode()):
                 return json_error(ApiError("a valid API key is needed: send 'Authorization: Bearer <key>'", 401,
                                            type_="invalid_request_error", code="invalid_api_key"))  # fmt: skip
         return await handler(request)
@@ -374,7 +375,7 @@ class Api:
     def _worker(self, request):
         name = request.match_info["worker_id"]
         workers = self.router.pool.workers
-        if not (name.isascii() and name.isdigit() and int(name) < len(workers)):  # not -1: the last one
+        if not (name.isascii() and name.isdigit() and len(name) < 10 and int(name) < len(workers)):  # not -1
             raise NotFound(f"no worker {name!r}", code="not_found")
         w = workers[int(name)]
         if not w.alive:
