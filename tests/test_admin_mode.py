@@ -92,3 +92,11 @@ async def test_a_client_that_gives_up_mid_switch_never_leaves_workers_and_router
         await asyncio.sleep(0)
     assert router.mode == Mode("disagg", 1, 1)
     assert [w.role for w in pool.workers] == ["prefill", "decode"] and router.serving.is_set()
+
+
+def test_disagg_shows_the_chunk_its_decode_workers_read_prompts_in_when_it_is_not_the_default():
+    """Defect: chunked with chunk_tokens 16, then disagg with the field omitted (it keeps its value),
+    made the decode workers read their prompts 16 tokens a step while the mode said nothing of it."""
+    assert Mode("disagg", 1, 1).as_dict() == DISAGG
+    carried = Mode("disagg", 1, 1, chunk_tokens=16)
+    assert carried.as_dict() == {**DISAGG, "chunk_tokens": 16} and carried.policy("decode") == "chunked"

@@ -14,6 +14,7 @@ from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.modes")
 MODES = ("colocated", "chunked", "disagg")
+DEFAULT_CHUNK_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -21,7 +22,7 @@ class Mode:
     name: str = "colocated"
     prefill_workers: int = 1
     decode_workers: int = 1
-    chunk_tokens: int = 512
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     workers: int | None = None  # colocated and chunked: how many workers serve (None: all; the rest idle)
     kv_link_gbps: float | None = None  # tcp transport: the emulated link's rate (None: unpaced)
     kv_link_latency_ms: float = 0.0  # ... and its one-way latency
@@ -68,6 +69,8 @@ class Mode:
                 out.update(kv_link_gbps=self.kv_link_gbps, kv_link_latency_ms=self.kv_link_latency_ms)
             if self.local_prefill_tokens:
                 out["local_prefill_tokens"] = self.local_prefill_tokens
+            if self.chunk_tokens != DEFAULT_CHUNK_TOKENS:  # the chunks its decode workers read prompts in
+                out["chunk_tokens"] = self.chunk_tokens
             return out
         out = {"mode": self.name, "chunk_tokens": self.chunk_tokens} if self.name == "chunked" else {"mode": self.name}
         if self.workers is not None:
