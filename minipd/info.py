@@ -64,7 +64,8 @@ def describe(head_dim: int = 64) -> dict:
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
     native_bf16 = cpu_kernels.native_bfloat16()
-    bf16_products = "bfloat16 dot products (avx512_bf16)" if cpu_kernels.bfloat16_dot() else "bfloat16 widened"
+    dot = "bf16" if isa == "neon" else "avx512_bf16"
+    bf16_products = f"bfloat16 dot products ({dot})" if cpu_kernels.bfloat16_dot() else "bfloat16 widened"
     many_rows_bf16 = ("PyTorch (oneDNN bfloat16)" if native_bf16 else
                       "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
     bf16 = {

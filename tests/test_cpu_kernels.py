@@ -82,9 +82,10 @@ def test_small_linear_in_bfloat16_is_the_float32_product_of_the_same_values_roun
 
 
 def test_small_linear_multiplies_bfloat16_with_dot_product_instructions_where_built_for_a_cpu_with_them():
-    flags = kernel_build.cpu_flags()
-    built_with = cpu_kernels.kernel_isa() == "avx512" and kernel_build.forced_isa() is None
-    assert cpu_kernels.bfloat16_dot() == (built_with and "avx512_bf16" in flags)
+    flags, isa = kernel_build.cpu_flags(), cpu_kernels.kernel_isa()
+    dot_flag = {"avx512": "avx512_bf16", "neon": "bf16"}.get(isa)  # x86 AVX512-BF16; ARM BF16 (BFDOT)
+    built_for_this_cpu = kernel_build.forced_isa() is None  # -march=native
+    assert cpu_kernels.bfloat16_dot() == (built_for_this_cpu and dot_flag in flags)
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # one thread calls the rows directly, more split them

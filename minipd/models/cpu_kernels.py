@@ -61,7 +61,8 @@ def native_bfloat16() -> bool:
 
 
 def bfloat16_dot() -> bool:
-    """small_linear multiplies bfloat16 with the CPU's dot-product instruction (built with AVX512-BF16);
+    """small_linear multiplies bfloat16 with the CPU's dot-product instruction (built with AVX512-BF16
+    or ARM's BF16);
     otherwise it widens bfloat16 to float32 in registers."""
     return available() and bool(torch.ops.minipd.bfloat16_dot())
 

@@ -3,7 +3,7 @@
 // ahead, and meets all M rows of x (as float32) while in registers. At batch 1 to 8 this reads the
 // weights at close to the memory's speed, where a general GEMM falls well short; bfloat16 weights
 // are half the bytes, widened in registers (exact), so no CPU needs bfloat16 instructions for it;
-// where the CPU has AVX512-BF16 they are multiplied with its dot-product instruction instead.
+// where the CPU has AVX512-BF16 or ARM's BF16 they are multiplied with its dot-product instruction.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -89,11 +89,17 @@ constexpr int64_t X_UNTILED_BYTES = 24 * 1024;
 template <int M, int R, int U, int AHEAD, typename W>
 void tiles_of(const float* x, const W* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t x_bytes = M * K * static_cast<int64_t>(sizeof(float));
-  if (X_TILE_BYTES == 0 || AHEAD >= 0 || x_bytes <= X_UNTILED_BYTES) return rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1, 0, K, false);
-  const int64_t tiles = (x_bytes + X_TILE_BYTES - 1) / X_TILE_BYTES, step = L * U;
-  const int64_t width = ((K + tiles - 1) / tiles + step - 1) / step * step;
-  for (int64_t ka = 0; ka < K; ka += width)
-    rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1, ka, std::min(K, ka + width), ka > 0);
+  if constexpr (X_TILE_BYTES > 0 && AHEAD < 0) {
+    if (x_bytes > X_UNTILED_BYTES) {
+      constexpr int64_t tile = X_TILE_BYTES > 0 ? X_TILE_BYTES : 1;  // a discarded branch is still checked
+      const int64_t tiles = (x_bytes + tile - 1) / tile, step = L * U;
+      const int64_t width = ((K + tiles - 1) / tiles + step - 1) / step * step;
+      for (int64_t ka = 0; ka < K; ka += width)
+        rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1, ka, std::min(K, ka + width), ka > 0);
+      return;
+    }
+  }
+  rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1, 0, K, false);
 }
 
 template <int M, int R, int U, int AHEAD, typename W>
@@ -131,17 +137,40 @@ void rows(int64_t M, const float* xp, const W* wp, const float* bp, float* yp, i
   }
 }
 
+// bfloat16 x and w on a CPU with bfloat16 dot-product instructions: each multiplies pairs of
+// bfloat16 and adds each pair's two products into one float32 sum, where the widening path needs
+// two widenings and two FMAs for the same values. Per ISA: the instruction, and E, the bfloat16
+// values it takes per vector.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIPD_BF16_DOT 1
-// bfloat16 x and w on a CPU with AVX512-BF16: vdpbf16ps multiplies 32 pairs of bfloat16 into 16
-// float32 sums at once (each product exact, the sums float32), where the widening path needs two
-// widenings and two FMAs for the same 32 values. Two sums per pair of rows in flight, the
-// prefetch of the AVX-512 float32 shapes above.
 namespace bf16_dot {
+constexpr int E = 32;  // vdpbf16ps: 32 pairs into 16 sums
+using Sums = __m512;
+using Pairs = __m512bh;
+inline Pairs load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline Sums zero() { return _mm512_setzero_ps(); }
+inline Sums dot(Sums acc, Pairs x, Pairs w) { return _mm512_dpbf16_ps(acc, x, w); }
+inline float total(Sums a, Sums b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+}  // namespace bf16_dot
+#elif defined(__ARM_FEATURE_BF16_VECTOR_ARITHMETIC) && defined(__aarch64__)
+#define MINIPD_BF16_DOT 1
+namespace bf16_dot {  // Armv8.6 BF16 (Neoverse V1 and later, Apple M2 and later): built with -march=native
+constexpr int E = 8;  // BFDOT: 8 pairs into 4 sums
+using Sums = float32x4_t;
+using Pairs = bfloat16x8_t;
+inline Pairs load(const uint16_t* p) { return vreinterpretq_bf16_u16(vld1q_u16(p)); }
+inline Sums zero() { return vdupq_n_f32(0.f); }
+inline Sums dot(Sums acc, Pairs x, Pairs w) { return vbfdotq_f32(acc, x, w); }
+inline float total(Sums a, Sums b) { return vaddvq_f32(vaddq_f32(a, b)); }
+}  // namespace bf16_dot
+#else
+#define MINIPD_BF16_DOT 0
+#endif
 
-constexpr int E = 32;  // bfloat16 values per vector
-
-inline __m512bh load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+#if MINIPD_BF16_DOT
+// Two sums per pair of rows in flight, the prefetch of the 32-register float32 shapes above (tuned
+// on AVX-512; the ARM path is checked for results under emulation, its speed unmeasured).
+namespace bf16_dot {
 
 template <int M, int AHEAD>
 void rows_of(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int64_t N, int64_t K, int64_t n0,
@@ -150,21 +179,21 @@ void rows_of(const uint16_t* x, const uint16_t* w, const float* bias, float* y, 
   const int64_t ahead = AHEAD > 0 ? AHEAD / 2 : -AHEAD * K;  // in elements
   for (int64_t n = n0; n < n1; ++n) {
     const uint16_t* row = w + n * K;
-    __m512 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    Sums acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
     int64_t k = 0;
     for (; k + 2 * E <= K; k += 2 * E)
       for (int u = 0; u < 2; ++u) {
-        if (AHEAD != 0) minipd_vec::prefetch(row + k + E * u + ahead);
-        const __m512bh wv = load(row + k + E * u);
-        for (int m = 0; m < M; ++m) acc[m][u] = _mm512_dpbf16_ps(acc[m][u], load(x + m * K + k + E * u), wv);
+        if (AHEAD != 0 && (E * u * 2) % 64 == 0) minipd_vec::prefetch(row + k + E * u + ahead);
+        const Pairs wv = load(row + k + E * u);
+        for (int m = 0; m < M; ++m) acc[m][u] = dot(acc[m][u], load(x + m * K + k + E * u), wv);
       }
     for (; k + E <= K; k += E) {
-      const __m512bh wv = load(row + k);
-      for (int m = 0; m < M; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], load(x + m * K + k), wv);
+      const Pairs wv = load(row + k);
+      for (int m = 0; m < M; ++m) acc[m][0] = dot(acc[m][0], load(x + m * K + k), wv);
     }
     for (int m = 0; m < M; ++m) {
-      float s = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+      float s = total(acc[m][0], acc[m][1]);
       for (int64_t kk = k; kk < K; ++kk) s += to_float(x[m * K + kk]) * to_float(row[kk]);
       y[m * N + n] = s + (bias ? bias[n] : 0.f);
     }
@@ -191,8 +220,6 @@ void rows(int64_t M, const uint16_t* x, const uint16_t* w, const float* b, float
 }
 
 }  // namespace bf16_dot
-#else
-#define MINIPD_BF16_DOT 0
 #endif
 
 }  // namespace
