@@ -78,3 +78,14 @@ def test_no_visible_gpu_is_one_line(monkeypatch):
     monkeypatch.setattr(cli, "_cuda_device_count", lambda: 0)
     with pytest.raises(UserError, match="no GPU is visible"):
         worker_configs(serve_args("--gpus", "0"))
+
+
+def test_workers_on_cuda_are_spread_over_the_gpus_not_ignored(two_gpus):
+    """Defect: `--device cuda --workers 4` started 2 workers (one per GPU) without a word."""
+    assert [c["device"] for c in worker_configs(serve_args("--workers", "4"))] == ["cuda:0", "cuda:1"] * 2
+    assert [c["device"] for c in worker_configs(serve_args("--workers", "1"))] == ["cuda:0"]
+    assert len(worker_configs(serve_args("--workers", "2", "--gpus", "0,0"))) == 2
+    with pytest.raises(UserError, match="--workers 3 and --gpus 0,1 disagree"):
+        worker_configs(serve_args("--workers", "3", "--gpus", "0,1"))
+    with pytest.raises(UserError, match="--workers must be >= 1"):
+        worker_configs(serve_args("--workers", "0"))

@@ -95,7 +95,9 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="disagg: tokens of a reply's growth booked with its seat, so decoding need not preempt")
     g = s.add_argument_group("workers")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the workers run")
-    g.add_argument("--workers", type=int, default=2, help="cpu: number of worker processes")
+    g.add_argument("--workers", type=int, default=None,
+                   help="number of worker processes (cpu: default 2; cuda: default one per GPU of --gpus, and "
+                        "more than the GPUs are spread over them)")
     g.add_argument("--threads-per-worker", type=int, default=None,
                    help="cpu: torch threads in each worker (default: cores / workers)")
     g.add_argument("--gpus", default=None, help="cuda: comma-separated GPU indices, one worker each (default: all)")
@@ -131,12 +133,19 @@ def worker_configs(args) -> list[dict]:
     base = {"model": args.model, "dtype": args.dtype, "block_size": args.block_size,
             "kv_cache_tokens": args.kv_cache_tokens, "max_num_seqs": args.max_num_seqs,
             "chunk_tokens": args.chunk_tokens, "quantization": args.quantization, "prepack": args.prepack}  # fmt: skip
-    if args.device == "cuda":
-        return [{**base, "device": f"cuda:{g}", "threads": 1} for g in _gpus(args.gpus)]
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         raise UserError("--workers must be >= 1")
-    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // args.workers)
-    return [{**base, "device": "cpu", "threads": threads} for _ in range(args.workers)]
+    if args.device == "cuda":
+        gpus = _gpus(args.gpus)
+        if args.workers is not None and args.gpus is not None and args.workers != len(gpus):
+            raise UserError(f"--workers {args.workers} and --gpus {args.gpus} disagree: --gpus starts one worker "
+                            f"per index (repeat one, as in 0,0, for two workers on a GPU)")  # fmt: skip
+        if args.workers is not None:
+            gpus = [gpus[i % len(gpus)] for i in range(args.workers)]
+        return [{**base, "device": f"cuda:{g}", "threads": 1} for g in gpus]
+    workers = 2 if args.workers is None else args.workers
+    threads = args.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+    return [{**base, "device": "cpu", "threads": threads} for _ in range(workers)]
 
 
 def _gpus(text: str | None) -> list[int]:
