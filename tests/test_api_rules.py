@@ -372,3 +372,11 @@ async def test_an_authorization_header_that_is_not_utf8_is_refused_not_a_crash()
         status_line = await reader.readline()
         writer.close()
         assert b" 401 " in status_line, status_line
+
+
+async def test_a_method_not_allowed_says_which_are_in_its_allow_header():
+    """Defect: the JSON error body replaced aiohttp's 405 and dropped the Allow header RFC 9110 requires."""
+    async with api_client() as client:
+        resp = await client.put("/v1/completions", json={})
+        assert resp.status == 405 and (await error_of(resp))["type"] == "invalid_request_error"
+        assert "POST" in resp.headers.get("Allow", "").split(","), dict(resp.headers)

@@ -56,7 +56,10 @@ async def errors_as_json(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return json_error(ApiError(exc.reason, exc.status, type_="invalid_request_error"))
+        resp = json_error(ApiError(exc.reason, exc.status, type_="invalid_request_error"))
+        if "Allow" in exc.headers:  # a 405's (RFC 9110)
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
     except ConnectionResetError:  # the client went away: nothing to answer, nothing wrong
         log.debug("client of %s %s went away", request.method, request.path)
         return web.Response(status=499)  # nginx's "client closed request"; nobody will read it
