@@ -377,6 +377,36 @@ def test_a_worker_slow_to_start_writes_its_stacks_to_the_log_and_the_server_wait
         assert completion(s, [1, 2, 3], max_tokens=3)[0] == 200
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_workers_start_stops_the_server_at_once(sig, tmp_path):
+    """Defect: Ctrl-C (even twice) while the workers loaded did nothing until they were ready; a
+    start that hangs waited its 300 s. Now the first signal stops the workers and the server."""
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "minipd", "serve", *TINY, "--workers", "2", "--port",
+                             str(port.getsockname()[1])], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "MINIPD_FAULTS": "hang_at_start_s=120"})  # fmt: skip
+    port.close()
+    try:
+        deadline = time.monotonic() + 120
+        while "test faults active" not in open(tmp_path / "server.log").read():  # the workers are spawned
+            assert proc.poll() is None and time.monotonic() < deadline, open(tmp_path / "server.log").read()
+            time.sleep(0.2)
+        children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        proc.send_signal(sig)
+        proc.wait(timeout=8)  # not the 5 s grace and 2 x 2 s joins a ready worker may take (9 s before)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = open(tmp_path / "server.log").read()
+    assert "minipd: ready" not in out, out
+    for pid in children:
+        wait_gone(pid)
+    assert glob.glob(f"/dev/shm/minipd_{proc.pid}-*") == []
+
+
 def wait_gone(pid: int, timeout: float = 10) -> None:
     deadline = time.monotonic() + timeout
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":

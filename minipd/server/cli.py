@@ -296,7 +296,7 @@ async def serve(args, configs: list[dict], mode) -> None:
         else:
             router.on_message(msg)
 
-    try:
+    async def start() -> None:
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
         log.info("minipd: listening on http://%s:%d (health: 503 until the workers are ready)", args.host, args.port)
@@ -315,6 +315,17 @@ async def serve(args, configs: list[dict], mode) -> None:
             log.info("  worker %d pid %d on %s, role %s, %d KV blocks of %d tokens, KV at %s", w.worker_id, w.pid,
                      w.device, w.role, w.info.num_blocks, w.info.block_size, w.info.kv_address)  # fmt: skip
         log.info("minipd: ready")
+
+    try:
+        starting, stopping = loop.create_task(start()), loop.create_task(stop.wait())
+        await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # a signal before the workers were ready: nothing is served yet
+            log.info("minipd: stopped while starting")
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            return
+        stopping.cancel()
+        starting.result()  # a start that failed raises here
         await stop.wait()
         stop.clear()
         if len(signals) < 2 and router.requests:

@@ -216,7 +216,11 @@ class WorkerPool:
 
     async def stop(self, grace: float = 5.0) -> None:
         for w in self.workers:
-            if w.process is not None and w.process.is_alive():
+            if w.process is None or not w.process.is_alive():
+                continue
+            if w.state in ("starting", "restarting"):  # deaf to Shutdown and SIGTERM until ready; holds nothing yet
+                w.process.kill()
+            else:
                 self.send(w.worker_id, m.Shutdown())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
