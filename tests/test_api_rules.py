@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import aiohttp
 import openai
@@ -333,6 +334,23 @@ async def test_a_worker_id_that_names_no_worker_is_not_found(worker_id, action):
         resp = await client.post(f"/admin/workers/{worker_id}/{action}", json={})
         assert resp.status == 404 and (await error_of(resp))["code"] == "not_found"
         client.api.router.pool.workers.clear()
+
+
+@pytest.mark.parametrize("roles", [("prefill", "decode"), ("both", "idle")])
+async def test_draining_the_only_worker_left_for_a_role_is_refused(roles):
+    """Defect: draining the one decode worker of 1P1D left every new request waiting, silently,
+    until a resume (or --request-timeout), while /health said ok."""
+    async with api_client() as client:
+        workers = client.api.router.pool.workers
+        workers.extend(SimpleNamespace(worker_id=i, role=role, alive=True, draining=False, state="up")
+                       for i, role in enumerate(roles))  # fmt: skip
+        try:
+            last = 1 if roles[1] != "idle" else 0
+            resp = await client.post(f"/admin/workers/{last}/drain", json={})
+            assert resp.status == 409 and (await error_of(resp))["code"] == "last_worker_of_its_role"
+            assert not workers[last].draining
+        finally:
+            workers.clear()
 
 
 async def test_a_body_that_claims_gzip_but_is_not_is_refused():

@@ -400,6 +400,12 @@ class Api:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 3600:
             raise InvalidRequest("'timeout' must be a number of seconds in (0, 3600]", param="timeout")
         r = self.router
+        others = [x for x in r.pool.workers if x is not w and x.role == w.role
+                  and (x.alive and not x.draining or x.state in ("starting", "restarting"))]  # fmt: skip
+        if w.role != "idle" and not restart and not others:
+            raise ApiError(f"worker {w.worker_id} is the only {w.role} worker left: drained, it would leave new "
+                           f"requests waiting for a resume; switch the mode first (POST /admin/mode), or drain "
+                           f"with restart", 409, type_="invalid_request_error", code="last_worker_of_its_role")  # fmt: skip
         outcome = await asyncio.shield(r.spawn(r.mover.drain_worker(w.worker_id, float(timeout), stop=restart)))
         return web.json_response(outcome)
 
