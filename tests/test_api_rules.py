@@ -398,3 +398,16 @@ async def test_a_method_not_allowed_says_which_are_in_its_allow_header():
         resp = await client.put("/v1/completions", json={})
         assert resp.status == 405 and (await error_of(resp))["type"] == "invalid_request_error"
         assert "POST" in resp.headers.get("Allow", "").split(","), dict(resp.headers)
+
+
+async def test_a_body_that_stops_arriving_gets_a_408_not_an_open_connection_forever():
+    """Defect: headers with Content-Length 1000 and then 10 bytes held the connection, unanswered, for good."""
+    async with api_client() as client:
+        client.api.body_timeout_s = 0.5
+        reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\":")  # fmt: skip
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert b" 408 " in status_line, status_line

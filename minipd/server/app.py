@@ -33,6 +33,7 @@ CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
 MAX_BODY_LIMIT = 16 * 2**20
+BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 
 
@@ -132,6 +133,7 @@ class Api:
         self.guard = guard or BrowserGuard("127.0.0.1")
         self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 1
         self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
+        self.body_timeout_s = BODY_TIMEOUT_S
         self.max_body_bytes = min(MAX_BODY_LIMIT, max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars))
 
     def app(self) -> web.Application:
@@ -468,7 +470,11 @@ class Api:
         if (request.charset or "utf-8").lower().replace("_", "-") not in ("utf-8", "utf8"):
             raise ApiError(f"JSON bodies are UTF-8 (RFC 8259); got charset {request.charset!r}", 415)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:  # a client that stopped sending: its connection is not held forever
+            raise ApiError(f"the request body did not arrive within {self.body_timeout_s:g} s", 408,
+                           code="request_timeout") from None  # fmt: skip
         except RequestPayloadError as err:  # e.g. Content-Encoding: gzip over bytes that are not gzip
             raise ApiError(f"the request body could not be read: {str(err).strip()}") from None
         try:
