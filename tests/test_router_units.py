@@ -155,3 +155,16 @@ async def test_a_seat_refused_for_room_waits_for_the_decode_worker_to_have_more(
     router.on_message(m.WorkerStats(decoder, "decode", 2, 0, 40, 0, 4, 64, 0, {}))
     [(w, ask)] = await sent(pool, m.ReserveSeats)  # ... until it has more room than when it refused
     assert w == decoder and [seat[0] for seat in ask.seats] == ["r.1"]
+
+
+@pytest.mark.asyncio
+async def test_a_move_whose_kv_lands_before_its_source_says_it_started_still_counts_its_tokens():
+    """Defect: the reader's transfer_end came in before the source's move_start (two sockets), and
+    the move's record said 'tokens': 0, for a move of 507 tokens."""
+    from minipd.server.moves import MoveRecord
+
+    router = serving_router(FakePool(["both", "both"]))
+    mover = router.mover
+    mover.pending["k"] = (MoveRecord("r", "k", 0, "switch", time.time(), target=1), asyncio.get_running_loop().create_future())
+    mover.arrived("k", {"bytes": 259072, "seconds": 0.01, "tokens": 507})  # move_start never seen before it
+    assert mover.recent[-1]["tokens"] == 507 and mover.recent[-1]["outcome"] == "moved"

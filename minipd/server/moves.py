@@ -151,6 +151,7 @@ class Mover:
         entry = self.pending.get(key)
         if entry is not None:
             entry[0].bytes, entry[0].seconds = data.get("bytes", 0), data.get("seconds")
+            entry[0].tokens = entry[0].tokens or data.get("tokens", 0)  # move_start may come in after it
             self.finish(key, "moved")
 
     def finish(self, key: str, outcome: str, detail: str | None = None) -> None:

@@ -342,7 +342,7 @@ class Worker:
         if arrival.imported:
             meta = arrival.meta
             self.send(m.Event(arrival.key, self.id, "transfer_end", time.time(),
-                              {"bytes": meta.num_bytes, "seconds": arrival.seconds}))  # fmt: skip
+                              {"bytes": meta.num_bytes, "seconds": arrival.seconds, "tokens": len(meta.token_ids)}))  # fmt: skip
         elif arrival.error and not arrival.cancelled:  # a writer that cancels says why itself
             self.send(m.RequestError(arrival.key, self.id, arrival.error))
         self.send_stats()
