@@ -168,3 +168,19 @@ async def test_a_move_whose_kv_lands_before_its_source_says_it_started_still_cou
     mover.pending["k"] = (MoveRecord("r", "k", 0, "switch", time.time(), target=1), asyncio.get_running_loop().create_future())
     mover.arrived("k", {"bytes": 259072, "seconds": 0.01, "tokens": 507})  # move_start never seen before it
     assert mover.recent[-1]["tokens"] == 507 and mover.recent[-1]["outcome"] == "moved"
+
+
+@pytest.mark.asyncio
+async def test_requests_waiting_to_be_placed_count_as_waiting():
+    """Defect: requests held at the door (a draining switch) or waiting for a worker of their role
+    were not in minipd:num_requests_waiting, which said 0 while five waited."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    router.serving.clear()  # the door is closed, as during a {"drain": true} switch
+    for i in range(5):
+        router.submit(f"r{i}", [1, 2], SamplingParams(max_tokens=3))
+    await asyncio.sleep(0)
+    assert 'minipd:num_requests_waiting{model_name="m"} 5.0' in router.metrics.render().decode()
+    router.serving.set()
+    await placed(router)
+    assert 'minipd:num_requests_waiting{model_name="m"} 0.0' in router.metrics.render().decode()

@@ -50,6 +50,7 @@ class Router:
         self.kv_transport = kv_transport
         self.tokenizer = tokenizer
         self.metrics = metrics
+        metrics.waiting.labels(metrics.model).set_function(self.num_waiting)  # read when scraped
         self.limits = limits or Limits()
         self.events = events or EventLog()
         self.requests: dict[str, RequestState] = {}
@@ -249,6 +250,13 @@ class Router:
         else:
             self.pool.send(msg.worker_id, m.Abort(msg.key, writer_done=True))
 
+    def num_waiting(self) -> int:
+        """Requests not yet running: waiting in a worker, for a seat, or to be placed (at a closed
+        door during a switch, or for a worker of their role)."""
+        stats = [x.stats for x in self.pool.workers if x.stats and x.alive]
+        unplaced = sum(1 for s in self.requests.values() if s.placement is None and not s.finished)
+        return sum(s.num_waiting for s in stats) + self.seats.num_waiting + unplaced
+
     def _on_stats(self, msg: m.WorkerStats) -> None:
         w = self.pool.workers[msg.worker_id]
         model = self.metrics.model
@@ -257,8 +265,6 @@ class Router:
         self.metrics.kv_usage.labels(model, str(msg.worker_id)).set(usage)
         stats = [x.stats for x in self.pool.workers if x.stats and x.alive]
         self.metrics.running.labels(model).set(sum(s.num_running for s in stats))
-        waiting = sum(s.num_waiting for s in stats) + self.seats.num_waiting
-        self.metrics.waiting.labels(model).set(waiting)
         self.metrics.seats_waiting.labels(model).set(self.seats.num_waiting)
         if msg.integrity_error:
             log.error("worker %d reports broken KV accounting: %s", msg.worker_id, msg.integrity_error)
