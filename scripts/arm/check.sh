@@ -8,8 +8,8 @@
 #
 # What comes from where: qemu-user-static and g++-aarch64-linux-gnu from Debian; an aarch64
 # Python 3.11 unpacked from Debian's arm64 packages (nothing installed for arm64); aarch64 wheels
-# from PyPI: torch 2.7.1, the newest whose aarch64 wheel on PyPI is a CPU build (2.13.0's needs
-# CUDA libraries), and the packages the tests import, at this machine's versions.
+# from PyPI: torch 2.7.1, whose aarch64 wheel is a CPU build (2.13.0's needs CUDA libraries; the
+# versions between were not tried), and the packages the tests import, at this machine's versions.
 #
 #   scripts/arm/check.sh [pytest args...]     (default: tests/test_cpu_kernels.py)
 # Environment: MINIPD_ARM_DIR (default /tmp/minipd-arm) keeps the downloads between runs;
