@@ -37,7 +37,7 @@ if [ ! -d "$SITE/torch" ]; then
   pip freeze 2>/dev/null | grep "==" | grep -viE "^(torch|nvidia|minipd|triton)" >"$DIR/requirements.txt"
   pip install -q --no-deps --target "$SITE" --implementation cp --python-version 3.11 --only-binary=:all: \
     --platform manylinux_2_28_aarch64 --platform manylinux_2_17_aarch64 --platform manylinux2014_aarch64 \
-    --platform linux_aarch64 "torch==$TORCH_ARM" -r "$DIR/requirements.txt" 2>&1 | grep -v WARNING || true
+    --platform linux_aarch64 "torch==$TORCH_ARM" -r "$DIR/requirements.txt" 2>&1 | { grep -v WARNING || true; }  # pip's failure still stops the script
 fi
 arm_python() {
   PYTHONPATH="$SITE:$PWD:$PWD/scripts/arm" qemu-aarch64-static -L "$ROOT" "$ROOT/usr/bin/python3.11" "$@"

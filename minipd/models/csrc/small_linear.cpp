@@ -80,19 +80,19 @@ void rows_of(const float* x, const W* w, const float* bias, float* y, int64_t N,
 // the same, and 5-6 rows (hardware prefetch only) 0.8x, so they are not tiled. Not measured on
 // the other ISAs: off there.
 #if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr int64_t X_TILE_BYTES = 12 * 1024;
+constexpr bool TILE_X = true;
 #else
-constexpr int64_t X_TILE_BYTES = 0;
+constexpr bool TILE_X = false;
 #endif
+constexpr int64_t X_TILE_BYTES = 12 * 1024;
 constexpr int64_t X_UNTILED_BYTES = 24 * 1024;
 
 template <int M, int R, int U, int AHEAD, typename W>
 void tiles_of(const float* x, const W* w, const float* b, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t x_bytes = M * K * static_cast<int64_t>(sizeof(float));
-  if constexpr (X_TILE_BYTES > 0 && AHEAD < 0) {
+  if constexpr (TILE_X && AHEAD < 0) {
+    const int64_t x_bytes = M * K * static_cast<int64_t>(sizeof(float));
     if (x_bytes > X_UNTILED_BYTES) {
-      constexpr int64_t tile = X_TILE_BYTES > 0 ? X_TILE_BYTES : 1;  // a discarded branch is still checked
-      const int64_t tiles = (x_bytes + tile - 1) / tile, step = L * U;
+      const int64_t tiles = (x_bytes + X_TILE_BYTES - 1) / X_TILE_BYTES, step = L * U;
       const int64_t width = ((K + tiles - 1) / tiles + step - 1) / step * step;
       for (int64_t ka = 0; ka < K; ka += width)
         rows_of<M, R, U, AHEAD>(x, w, b, y, N, K, n0, n1, ka, std::min(K, ka + width), ka > 0);
