@@ -4,6 +4,7 @@ web page, a hostile client or a huge input may do. Each test runs in millisecond
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -411,3 +412,80 @@ async def test_a_body_that_stops_arriving_gets_a_408_not_an_open_connection_fore
         status_line = await asyncio.wait_for(reader.readline(), 5)
         writer.close()
         assert b" 408 " in status_line, status_line
+
+
+@asynccontextmanager
+async def raw_server(keepalive_timeout: float = 75.0):
+    """The API behind the runner `serve` uses (not aiohttp's test server): what aiohttp's own
+    parser refuses never reaches the app, so only the runner decides how it is answered."""
+    pool = WorkerPool([])
+    api = Api(Router(pool, None, Metrics("tiny")), "tiny", MAX_MODEL_LEN, guard=BrowserGuard("127.0.0.1"))
+    runner = api.runner(keepalive_timeout=keepalive_timeout)
+    await runner.setup()
+    try:
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+        pool.kill()
+
+
+async def raw_exchange(port: int, request: bytes) -> tuple[bytes, dict, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        status, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines if line)}
+        body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])), 5)
+        return status.encode(), headers, body
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+    b"GET /v1/models?" + b"q" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
+    b"NOT HTTP AT ALL\r\n\r\n",
+], ids=["header-over-8190-bytes", "url-over-8190-bytes", "duplicate-content-length", "200-headers", "garbage"])
+async def test_what_the_http_parser_refuses_gets_the_json_error_body(request_bytes):
+    """Defect: aiohttp's parser answered these with its own text/plain 400, not an OpenAI-style error."""
+    async with raw_server() as port:
+        status, headers, body = await raw_exchange(port, request_bytes)
+        assert status.split()[1].startswith(b"4"), status
+        assert headers["content-type"].startswith("application/json"), headers
+        error = json.loads(body)["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error", error
+        assert error["message"], error
+        # and the server goes on serving
+        status, _, body = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status.split()[1] == b"200" and json.loads(body)["data"][0]["id"] == "tiny"
+
+
+async def test_a_client_that_stalls_in_its_headers_is_cut_off():
+    """A connection whose headers never end (slowloris) is closed after keepalive_timeout (75 s for
+    `serve`, 1 s here), though it keeps sending a header line a second."""
+    async with raw_server(keepalive_timeout=1.0) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        start = time.monotonic()
+        closed = False
+        try:
+            for i in range(8):
+                writer.write(b"X-Slow-%d: 1\r\n" % i)
+                await writer.drain()
+                try:
+                    if await asyncio.wait_for(reader.read(1), 0.5) == b"":
+                        closed = True
+                        break
+                except asyncio.TimeoutError:
+                    pass
+        except ConnectionError:
+            closed = True
+        finally:
+            writer.close()
+        assert closed and time.monotonic() - start < 3.0

@@ -20,6 +20,7 @@ from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
+from minipd.server.http_runner import ApiRunner
 from minipd.server.modes import Mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
@@ -135,6 +136,10 @@ class Api:
         self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
         self.body_timeout_s = BODY_TIMEOUT_S
         self.max_body_bytes = min(MAX_BODY_LIMIT, max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars))
+
+    def runner(self, **kwargs) -> web.AppRunner:
+        """The runner to serve `app()` with: aiohttp's own error answers in JSON too."""
+        return ApiRunner(self.app(), **kwargs)
 
     def app(self) -> web.Application:
         middlewares = [errors_as_json, guard_browsers(self.guard)]

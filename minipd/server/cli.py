@@ -273,7 +273,7 @@ async def serve(args, configs: list[dict], mode) -> None:
 
     from aiohttp import web
 
-    runner = web.AppRunner(api.app(), access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
+    runner = api.runner(access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = []

@@ -1,0 +1,50 @@
+"""aiohttp's runner, with the answers aiohttp gives itself in the OpenAI-style JSON error body.
+
+What aiohttp's HTTP parser refuses (a header or URL over 8,190 bytes, too many headers, a
+duplicate Content-Length, bytes that are not HTTP) never reaches the app or its middlewares:
+aiohttp's protocol answers it with a text/plain 400 from `RequestHandler.handle_error`. The
+protocol class is the only place to change that answer."""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from minipd.server.protocol import ApiError
+
+log = logging.getLogger("minipd.api")
+MAX_MESSAGE_CHARS = 300  # the parser's message can quote what the client sent
+
+
+class JsonErrorHandler(RequestHandler):
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:  # fmt: skip
+        if request.writer.output_size > 0:  # as aiohttp: a reply has begun, the connection is broken
+            raise ConnectionError("an error after the reply began")
+        if status >= 500:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+            err = ApiError(HTTPStatus(status).phrase.lower(), status, type_="server_error")
+        else:  # a client's malformed request: one line, not aiohttp's traceback per request
+            text = " ".join((message or HTTPStatus(status).phrase).split())
+            if len(text) > MAX_MESSAGE_CHARS:
+                text = text[:MAX_MESSAGE_CHARS] + "..."
+            log.info("refused a request from %s that HTTP parsing failed on: %s", request.remote, text)
+            err = ApiError(f"the HTTP request could not be parsed: {text}", status)
+        resp = web.json_response(err.body(), status=status)
+        resp.force_close()
+        return resp
+
+
+class JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ApiRunner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JsonErrorServer  # the app's own Server, only its protocol class changed
+        return server
