@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from minipd.server.app import Api
+from minipd.server.errors import Conflict
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode
 from minipd.server.router import Router
@@ -100,3 +101,35 @@ def test_disagg_shows_the_chunk_its_decode_workers_read_prompts_in_when_it_is_no
     assert Mode("disagg", 1, 1).as_dict() == DISAGG
     carried = Mode("disagg", 1, 1, chunk_tokens=16)
     assert carried.as_dict() == {**DISAGG, "chunk_tokens": 16} and carried.policy("decode") == "chunked"
+
+
+@pytest.mark.asyncio
+async def test_a_switch_that_would_leave_a_role_only_to_draining_workers_is_refused():
+    """Defect: drain worker 1, then switch to 1P1D: worker 1 became the only decode worker, still
+    draining, and every new request waited for a resume while /health said ok."""
+    pool = Pool()
+    router = Router(pool, None, Metrics("m"))
+    router.ready = True
+    pool.workers[1].draining = True
+    router.serving.set()
+    with pytest.raises(Conflict) as refused:
+        await router.set_mode(Mode("disagg", 1, 1))
+    assert "worker 1 is draining" in str(refused.value) and refused.value.code == "worker_draining"
+    assert router.mode == Mode() and [w.role for w in pool.workers] == ["both", "both"] and not pool.sent
+    assert router.serving.is_set()
+
+
+@pytest.mark.asyncio
+async def test_a_draining_worker_takes_the_idle_place_when_the_new_mode_has_one():
+    pool = Pool()
+    pool.workers.append(SimpleNamespace(**vars(pool.workers[0]) | {"worker_id": 2}))
+    router = Router(pool, None, Metrics("m"))
+    router.ready = True
+    pool.workers[1].draining = True
+    switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    for worker_id, msg in pool.sent:
+        router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+    await switch
+    assert [w.role for w in pool.workers] == ["prefill", "idle", "decode"]

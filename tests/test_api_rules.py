@@ -362,6 +362,24 @@ async def test_a_body_that_claims_gzip_but_is_not_is_refused():
         assert resp.status == 400 and "gzip" in (await error_of(resp))["message"]
 
 
+@pytest.mark.parametrize("body, param", [
+    ('{"mode": "chunked", "chunk_tokens": 1000000000000000000000000000000}', "chunk_tokens"),
+    ('{"mode": "chunked", "chunk_tokens": 18446744073709551615}', "chunk_tokens"),
+    ('{"mode": "disagg", "local_prefill_tokens": 1000000000000000000000000000000}', "local_prefill_tokens"),
+    ('{"mode": "chunked", "workers": 1e400}', None),  # Infinity is not JSON
+    ('{"mode": "chunked", "chunk_tokens": NaN}', None),
+])  # fmt: skip
+async def test_a_mode_setting_out_of_any_sane_range_is_a_400_naming_it(body, param):
+    """Defect: chunk_tokens 10**30 gave a 500 (msgpack could not send it to the workers); 2**64-1
+    and local_prefill_tokens 10**30 were taken."""
+    async with api_client() as client:
+        before = client.api.router.mode
+        resp = await client.post("/admin/mode", data=body, headers={"Content-Type": "application/json"})
+        assert resp.status == 400, await resp.text()
+        assert (await error_of(resp))["param"] == param
+        assert client.api.router.mode == before
+
+
 @pytest.mark.parametrize("since", ["nan", "inf", "abc"])
 async def test_the_event_stream_wants_a_finite_time(since):
     async with api_client() as client:

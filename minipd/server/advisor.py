@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from minipd.bench.plan import Profile, Traffic, _fit, colocated, decode_tpot, prefill_ttft
 from minipd.server import advisor_sim
 from minipd.server.advisor_sim import Arrival
+from minipd.server.errors import ServeError
 from minipd.server.modes import Mode
 from minipd.sim.profile import Profile as StepProfile
 from minipd.sim.profile import WorkerShape
@@ -162,7 +163,11 @@ class Advisor:
                     entry = await asyncio.to_thread(self._predict, snap, entry)
                 entry = self._close(entry)
                 if entry.get("switch_to") is not None and self.enabled:
-                    outcome = await self.router.set_mode(Mode(**entry["switch_to"]))
+                    try:
+                        outcome = await self.router.set_mode(Mode(**entry["switch_to"]))
+                    except ServeError as err:  # e.g. a worker drained by hand holds a role it would need
+                        entry["switch"] = {"changed": False, "error": str(err)}
+                        continue
                     self.mode_since, self.last_mode = time.time(), self.router.mode.as_dict()
                     entry["switch"] = {k: outcome.get(k) for k in ("seconds", "moved", "bytes", "changed")}
             except Exception:

@@ -18,7 +18,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
-from minipd.server.errors import InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
+from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import ApiRunner
 from minipd.server.modes import Mode
@@ -27,7 +27,8 @@ from minipd.server.router import Router
 
 log = logging.getLogger("minipd.api")
 STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "invalid_request_error"),
-          Overloaded: (429, "rate_limit_error"), Unavailable: (503, "server_error")}  # fmt: skip
+          Overloaded: (429, "rate_limit_error"), Unavailable: (503, "server_error"),
+          Conflict: (409, "invalid_request_error")}  # fmt: skip
 OPEN_PATHS = ("/health", "/metrics")
 MIN_BODY_LIMIT = 8 * 2**20  # parsing a body holds the event loop: 8 MiB of token ids take ~0.25 s, 32 MiB ~1 s
 CORS = web.RequestKey("cors", dict)
@@ -483,9 +484,10 @@ class Api:
         except RequestPayloadError as err:  # e.g. Content-Encoding: gzip over bytes that are not gzip
             raise ApiError(f"the request body could not be read: {str(err).strip()}") from None
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ApiError("the request body is not valid JSON (or nests too deeply)") from None
+            body = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            detail = f": {err}" if isinstance(err, NotJson) else " (or nests too deeply)"
+            raise ApiError(f"the request body is not valid JSON{detail}") from None
         if not isinstance(body, dict):
             raise ApiError("the request body must be a JSON object")
         return body
@@ -497,3 +499,18 @@ class Api:
         if self.tokenizer is None:
             raise ApiError("this model has no tokenizer", 400)
         return self.tokenizer
+
+
+class NotJson(ValueError):
+    pass
+
+
+def _not_json(word: str):
+    raise NotJson(f"{word} is not a JSON number (RFC 8259)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotJson(f"{text[:40]} is out of the range of a number")
+    return value

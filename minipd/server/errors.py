@@ -24,3 +24,7 @@ class Overloaded(ServeError):
 
 class Unavailable(ServeError):
     """The server cannot take work now: starting, shutting down, switching, workers gone (503)."""
+
+
+class Conflict(ServeError):
+    """The request clashes with the server's state, which the client can change first (409)."""

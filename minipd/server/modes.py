@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
-from minipd.server.errors import InvalidRequest, Unavailable
+from minipd.server.errors import Conflict, InvalidRequest, Unavailable
 from minipd.server.moves import summary
 from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.modes")
 MODES = ("colocated", "chunked", "disagg")
 DEFAULT_CHUNK_TOKENS = 512
+MAX_TOKENS_SETTING = 1 << 20  # more than any context served here; bounds what reaches the workers
+MAX_LINK_LATENCY_MS = 60_000.0
 
 
 @dataclass(slots=True)
@@ -31,14 +34,15 @@ class Mode:
     def check(self, num_workers: int) -> None:
         if self.name not in MODES:
             raise InvalidRequest(f"mode must be one of {MODES}, got {self.name!r}", param="mode")
-        if self.chunk_tokens < 1:
-            raise InvalidRequest("chunk_tokens must be >= 1", param="chunk_tokens")
-        if self.kv_link_gbps is not None and self.kv_link_gbps <= 0:
-            raise InvalidRequest("kv_link_gbps must be > 0 (or null: unpaced)", param="kv_link_gbps")
-        if self.local_prefill_tokens < 0:
-            raise InvalidRequest("local_prefill_tokens must be >= 0", param="local_prefill_tokens")
-        if self.kv_link_latency_ms < 0:
-            raise InvalidRequest("kv_link_latency_ms must be >= 0", param="kv_link_latency_ms")
+        if not 1 <= self.chunk_tokens <= MAX_TOKENS_SETTING:
+            raise InvalidRequest(f"chunk_tokens must be between 1 and {MAX_TOKENS_SETTING}", param="chunk_tokens")
+        if self.kv_link_gbps is not None and not 0 < self.kv_link_gbps < math.inf:
+            raise InvalidRequest("kv_link_gbps must be a finite number > 0 (or null: unpaced)", param="kv_link_gbps")
+        if not 0 <= self.local_prefill_tokens <= MAX_TOKENS_SETTING:
+            raise InvalidRequest(f"local_prefill_tokens must be between 0 and {MAX_TOKENS_SETTING}",
+                                 param="local_prefill_tokens")  # fmt: skip
+        if not 0 <= self.kv_link_latency_ms <= MAX_LINK_LATENCY_MS:
+            raise InvalidRequest(f"kv_link_latency_ms must be between 0 and {MAX_LINK_LATENCY_MS:g}", param="kv_link_latency_ms")
         if self.workers is not None and not 1 <= self.workers <= num_workers:
             raise InvalidRequest(f"workers must be between 1 and {num_workers}, got {self.workers}", param="workers")
         if self.name == "disagg":
@@ -103,6 +107,7 @@ class ModeSwitcher:
                 return self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
                                      "started": started, "seconds": 0.0, "requests_in_flight": len(r.requests),
                                      "note": "the server already serves in this mode: nothing changed"})  # fmt: skip
+            roles, old_roles = assign_roles(mode, r.pool.workers), [w.role for w in r.pool.workers]
             r.target = mode
             r.events.publish({"type": "mode", "phase": "drain" if drain else "switch", "time": started,
                               "from": old.as_dict(), "to": mode.as_dict()})  # fmt: skip
@@ -111,9 +116,9 @@ class ModeSwitcher:
             try:
                 r.seats.cancel_all()
                 await (self._drain() if drain else self._placements_settled())
-                errors = await self._set_roles(mode, mode.roles(len(r.pool.workers)))
+                errors = await self._set_roles(mode, roles)
                 if errors:
-                    await self._set_roles(old, old.roles(len(r.pool.workers)))
+                    await self._set_roles(old, old_roles)
                     self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
                                   "started": started, "seconds": time.time() - started, "error": "; ".join(errors)})  # fmt: skip
                     raise Unavailable(f"the mode switch failed and was undone: {'; '.join(errors)}")
@@ -211,6 +216,25 @@ class ModeSwitcher:
         fut = self.acks.pop(worker_id, None)
         if fut is not None and not fut.done():
             fut.set_result(None)  # it gets its new role when it comes back
+
+
+def assign_roles(mode: Mode, workers) -> list[str]:
+    """Each worker's role in `mode`. A draining worker takes an idle place where the mode has one;
+    a role that only draining workers would hold is refused (new requests would wait for a resume)."""
+    roles = mode.roles(len(workers))
+    free_idle = [i for i, role in enumerate(roles) if role == "idle" and not workers[i].draining]
+    for w in workers:
+        if w.draining and roles[w.worker_id] != "idle" and free_idle:
+            i = free_idle.pop(0)
+            roles[i], roles[w.worker_id] = roles[w.worker_id], "idle"
+    for role in dict.fromkeys(roles):
+        holders = [w.worker_id for w in workers if roles[w.worker_id] == role]
+        if role != "idle" and all(workers[i].draining for i in holders):
+            names = ", ".join(map(str, holders))
+            raise Conflict(f"worker {names} is draining: in {mode.as_dict()} it would be the only {role} worker, and "
+                           f"new requests would wait for it; resume it first (POST /admin/workers/{holders[0]}/resume) "
+                           f"or choose a mode that leaves it idle", param="mode", code="worker_draining")  # fmt: skip
+    return roles
 
 
 def _engine_role(role: str) -> str:
