@@ -89,3 +89,17 @@ def test_a_seat_past_its_lease_is_reported_and_asked_about_again_each_lease(deco
     assert [h.key for h in seats.overdue(lease=0)] == ["a"]  # ...so its writer is asked again
     seats.on_message(end_message("a", wire.CANCELLED))
     assert seats.overdue(lease=0) == [] and decode.blocks.num_used == 0
+
+
+def test_a_seat_asked_again_while_the_old_one_awaits_its_writer_is_not_now_not_an_error(decode):
+    """Defect (12 long replies streaming, a switch to 1P1D): a move the source refused was asked
+    for again on the same decode worker before the source's cancel, which travels on the KV
+    channel, reached it; "a seat for 'x.1' already exists" then ended the reply with an error."""
+    seats = SeatTable(decode, worker_id=1, in_place=True)
+    first = seats.reserve("x.1", 40, 0, writer=0)
+    assert seats.reserve("x.1", 40, 0, writer=0) is None  # not now: ask again once it has gone
+    assert decode.blocks.num_used == len(first)
+    seats.on_message(end_message("x.1", wire.CANCELLED, reason="the move was refused"))
+    assert decode.blocks.num_used == 0
+    assert len(seats.reserve("x.1", 40, 0, writer=0)) == len(first)
+    decode.blocks.check_integrity()

@@ -52,8 +52,12 @@ class SeatTable:
         return len(self.handoffs)
 
     def reserve(self, key: str, num_tokens: int, headroom_tokens: int, writer: int) -> list[int] | None:
+        """The seat's block ids, or None: no room now. A key whose old seat is still here (a move
+        asked again before its source's cancel, which comes on the KV channel, has landed) is
+        "not now" too: the router asks again when this worker's room grows."""
         if self.handoffs.get(key) is not None:
-            raise ValueError(f"a seat for {key!r} already exists")
+            log.info("worker %d: the seat of %s is still here; asked again later", self.worker_id, key)
+            return None
         blocks = self.engine.add_seat(key, num_tokens, headroom_tokens)
         if blocks is not None:
             self.handoffs.open(Handoff(key, writer, self.worker_id, blocks, Stage.SEAT_RESERVED, self.in_place))
