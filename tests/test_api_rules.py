@@ -507,3 +507,25 @@ async def test_a_client_that_stalls_in_its_headers_is_cut_off():
         finally:
             writer.close()
         assert closed and time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/no/such/path"])
+async def test_an_expectation_the_server_cannot_meet_gets_the_json_error_body(path):
+    """Defect: 'Expect: 200-ok' got aiohttp's text/plain 417 (its Expect handler runs before the
+    app's middlewares)."""
+    async with raw_server() as port:
+        status, headers, body = await raw_exchange(port, f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                                         "Expect: 200-ok\r\nContent-Length: 2\r\n\r\n{}".encode())  # fmt: skip
+        assert status.startswith(b"HTTP/1.1 417") and headers["content-type"].startswith("application/json")
+        assert "200-ok" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("headers", [{"Range": "bytes=99999999-"}, {"Range": "bytes=0-1,5-6"},
+                                     {"Range": "pages=1"}, {"If-Match": '"not-its-etag"'},
+                                     {"If-Unmodified-Since": "Mon, 01 Jan 1990 00:00:00 GMT"}])  # fmt: skip
+async def test_a_static_file_is_served_whole_never_as_an_empty_error(headers):
+    """Defect: a Range past the end (or several ranges) got a 416 with an empty body."""
+    async with api_client() as client:
+        whole = await (await client.get("/static/app.js")).read()
+        resp = await client.get("/static/app.js", headers=headers)
+        assert resp.status == 200 and await resp.read() == whole

@@ -20,7 +20,7 @@ from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
-from minipd.server.http_runner import ApiRunner
+from minipd.server.http_runner import ApiRunner, http_exception_as_json
 from minipd.server.modes import Mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
@@ -59,10 +59,7 @@ async def errors_as_json(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        resp = json_error(ApiError(exc.reason, exc.status, type_="invalid_request_error"))
-        if "Allow" in exc.headers:  # a 405's (RFC 9110)
-            resp.headers["Allow"] = exc.headers["Allow"]
-        return resp
+        return http_exception_as_json(exc)
     except ConnectionResetError:  # the client went away: nothing to answer, nothing wrong
         log.debug("client of %s %s went away", request.method, request.path)
         return web.Response(status=499)  # nginx's "client closed request"; nobody will read it
@@ -459,14 +456,14 @@ class Api:
 
     # ---- the teaching page (open, like /health: the page asks for the API key itself) ----------
     async def page(self, request) -> web.FileResponse:
-        return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+        return WholeFile(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
 
     async def static(self, request) -> web.FileResponse:
         name = request.match_info["name"]
         files = {f.name for f in STATIC.iterdir() if f.is_file()}
         if name not in files:  # only the folder's own files: no path leaves it
             raise NotFound(f"no static file {name!r}", code="not_found")
-        return web.FileResponse(STATIC / name, headers={"Cache-Control": "no-cache"})
+        return WholeFile(STATIC / name, headers={"Cache-Control": "no-cache"})
 
     # ---- helpers -----------------------------------------------------------------------
     async def _body(self, request) -> dict:
@@ -514,3 +511,18 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise NotJson(f"{text[:40]} is out of the range of a number")
     return value
+
+
+class WholeFile(web.FileResponse):
+    """A page file, always whole or "not modified": Range and the preconditions that could fail are
+    ignored (RFC 9110 lets a server), so no request gets aiohttp's empty 416 or 412."""
+
+    IGNORED = ("Range", "If-Range", "If-Match", "If-Unmodified-Since")
+
+    async def prepare(self, request):
+        if any(h in request.headers for h in self.IGNORED):
+            headers = request.headers.copy()
+            for h in self.IGNORED:
+                headers.popall(h, None)
+            request = request.clone(headers=headers)
+        return await super().prepare(request)

@@ -38,6 +38,17 @@ class JsonErrorHandler(RequestHandler):
         return resp
 
 
+def http_exception_as_json(exc: web.HTTPException) -> web.Response:
+    """aiohttp's HTTPException (404, 405, 417, ...) as the OpenAI-style error body."""
+    text = exc.text or ""
+    prefix = f"{exc.status}: "
+    message = text[len(prefix):] if text.startswith(prefix) else text or exc.reason
+    resp = web.json_response(ApiError(message, exc.status).body(), status=exc.status)
+    if "Allow" in exc.headers:  # a 405's (RFC 9110)
+        resp.headers["Allow"] = exc.headers["Allow"]
+    return resp
+
+
 class JsonErrorServer(web.Server):
     def __call__(self) -> RequestHandler:
         return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
@@ -47,4 +58,19 @@ class ApiRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer  # the app's own Server, only its protocol class changed
+        server.request_handler = _http_exceptions_as_json(server.request_handler)
         return server
+
+
+def _http_exceptions_as_json(handle):
+    """What aiohttp raises before the app's middlewares run (its Expect handler's 417) in JSON too."""
+
+    async def answer(request):
+        try:
+            return await handle(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return http_exception_as_json(exc)
+
+    return answer
