@@ -195,6 +195,15 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"n": 2}, "n"),
     ({"prompt": [1] * 5000}, "prompt"),
     ({"prompt": [1] * 100_000 + ["x"]}, "prompt"),
+    # wrong types that happen to be falsy were taken as "not set" (defect)
+    ({"stop": 0}, "stop"), ({"stop": False}, "stop"), ({"stop": {}}, "stop"),
+    ({"stop_token_ids": ""}, "stop_token_ids"), ({"stop_token_ids": {}}, "stop_token_ids"),
+    ({"stop_token_ids": 0}, "stop_token_ids"),
+    ({"stream_options": ""}, "stream_options"), ({"stream_options": []}, "stream_options"),
+    ({"stream_options": 0}, "stream_options"),
+    ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
+    ({"top_logprobs": ""}, "top_logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
+    ({"echo": ""}, "echo"), ({"echo": []}, "echo"), ({"echo": {}}, "echo"),
 ])  # fmt: skip
 async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
     async with api_client(tokenizer) as client:
@@ -326,7 +335,7 @@ async def test_a_text_content_part_needs_its_text(tokenizer):
         assert resp.status == 400 and (await error_of(resp))["param"] == "messages"
 
 
-@pytest.mark.parametrize("worker_id", ["-1", "-2", "99", "abc", "1e3", "9" * 5000])
+@pytest.mark.parametrize("worker_id", ["-1", "-2", "99", "abc", "1e3", "9" * 5000, "00", "01"])
 @pytest.mark.parametrize("action", ["drain", "resume"])
 async def test_a_worker_id_that_names_no_worker_is_not_found(worker_id, action):
     """Defect: /admin/workers/-1/drain drained the last worker (a Python negative index)."""
@@ -380,7 +389,7 @@ async def test_a_mode_setting_out_of_any_sane_range_is_a_400_naming_it(body, par
         assert client.api.router.mode == before
 
 
-@pytest.mark.parametrize("since", ["nan", "inf", "abc"])
+@pytest.mark.parametrize("since", ["nan", "inf", "abc", "1_0", "\u0663", " 1", "1e999"])
 async def test_the_event_stream_wants_a_finite_time(since):
     async with api_client() as client:
         resp = await client.get(f"/admin/events?since={since}")
@@ -529,3 +538,14 @@ async def test_a_static_file_is_served_whole_never_as_an_empty_error(headers):
         whole = await (await client.get("/static/app.js")).read()
         resp = await client.get("/static/app.js", headers=headers)
         assert resp.status == 200 and await resp.read() == whole
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, gzip"])
+async def test_a_content_encoding_the_server_cannot_read_is_a_415_naming_those_it_can(encoding):
+    """Defect: br and zstd got a 400 telling the client to install Brotli on the server; codings
+    aiohttp does not know were read as plain bytes."""
+    async with raw_server() as port:
+        status, _, body = await raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                                   b"Content-Type: application/json\r\nContent-Encoding: "
+                                                   + encoding.encode() + b"\r\nContent-Length: 2\r\n\r\n{}")  # fmt: skip
+        assert b" 415 " in status and "gzip or deflate" in json.loads(body)["error"]["message"]

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +21,7 @@ from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
-from minipd.server.http_runner import ApiRunner, http_exception_as_json
+from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
 from minipd.server.modes import Mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
@@ -383,7 +384,7 @@ class Api:
     def _worker(self, request):
         name = request.match_info["worker_id"]
         workers = self.router.pool.workers
-        if not (name.isascii() and name.isdigit() and len(name) < 10 and int(name) < len(workers)):  # not -1
+        if not (re.fullmatch(r"0|[1-9][0-9]{0,8}", name) and int(name) < len(workers)):  # not -1, not 01
             raise NotFound(f"no worker {name!r}", code="not_found")
         w = workers[int(name)]
         if not w.alive:
@@ -424,12 +425,11 @@ class Api:
     async def events(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: every engine step, transfer, seat, mode switch and worker change.
         ?since=T first replays what is kept from time T on (seconds since the epoch)."""
-        try:
-            since = float(request.query.get("since", time.time()))
-            if not math.isfinite(since):
-                raise ValueError(since)
-        except ValueError:
-            raise InvalidRequest("'since' must be a number of seconds since the epoch", param="since") from None
+        since = request.query.get("since")
+        if since is not None and not (re.fullmatch(r"[0-9]{1,12}(\.[0-9]{0,9})?", since)):
+            raise InvalidRequest("'since' must be a number of seconds since the epoch, such as 1764000000.5",
+                                 param="since")  # fmt: skip
+        since = time.time() if since is None else float(since)
         log_ = self.router.events
         queue = log_.subscribe()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -472,6 +472,9 @@ class Api:
                            f"(got {request.content_type!r})", 415)  # fmt: skip
         if (request.charset or "utf-8").lower().replace("_", "-") not in ("utf-8", "utf8"):
             raise ApiError(f"JSON bodies are UTF-8 (RFC 8259); got charset {request.charset!r}", 415)
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("identity", "gzip", "deflate"):  # aiohttp reads any other as plain bytes
+            raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported here; {SUPPORTED_ENCODINGS}", 415)
         try:
             async with asyncio.timeout(self.body_timeout_s):
                 raw = await request.read()

@@ -11,11 +11,13 @@ import logging
 from http import HTTPStatus
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler
 
 from minipd.server.protocol import ApiError
 
 log = logging.getLogger("minipd.api")
+SUPPORTED_ENCODINGS = "send it plain (identity), gzip or deflate"
 MAX_MESSAGE_CHARS = 300  # the parser's message can quote what the client sent
 
 
@@ -27,6 +29,9 @@ class JsonErrorHandler(RequestHandler):
         if status >= 500:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
             err = ApiError(HTTPStatus(status).phrase.lower(), status, type_="server_error")
+        elif isinstance(exc, ContentEncodingError):  # aiohttp would say "Please install Brotli"
+            status = 415
+            err = ApiError(f"the request body's Content-Encoding is not supported here; {SUPPORTED_ENCODINGS}", 415)
         else:  # a client's malformed request: one line, not aiohttp's traceback per request
             text = " ".join((message or HTTPStatus(status).phrase).split())
             if len(text) > MAX_MESSAGE_CHARS:

@@ -65,9 +65,11 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         value = body.get(name)
         if value is not None and (type(value) is not int or value != 1):  # true == 1 in Python
             raise ApiError(f"'{name}' other than 1 is not supported", param=name)
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs"):
+    if body.get("logprobs") not in (None, False, 0):
         raise ApiError("logprobs are not supported", param="logprobs")
-    if body.get("echo"):
+    if _number(body, "top_logprobs", 0, int, low=0, high=20):
+        raise ApiError("logprobs are not supported", param="top_logprobs")
+    if _flag(body, "echo"):
         raise ApiError("'echo' is not supported", param="echo")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, low=-2.0, high=2.0) != 0.0:
@@ -89,9 +91,8 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
                        f"completion). Please reduce the length of the {prompt_param} or '{field}'.", param=field)  # fmt: skip
     else:
         max_tokens = requested
-    stop = body.get("stop") or []
-    if isinstance(stop, str):
-        stop = [stop]
+    stop = body.get("stop")
+    stop = [] if stop is None or stop == "" else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError("'stop' must be a string or a list of non-empty strings", param="stop")
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
@@ -99,15 +100,14 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
                        f"each", param="stop")  # fmt: skip
     for text in stop:
         check_text(text, "stop")
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    stop_ids = [] if stop_ids is None else stop_ids
     if not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS:
         raise ApiError(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids",
                        param="stop_token_ids")  # fmt: skip
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {vocab_size})", param="stop_token_ids")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise ApiError("'ignore_eos' must be a boolean", param="ignore_eos")
+    ignore_eos = _flag(body, "ignore_eos")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
@@ -119,13 +119,22 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
 
 
 def stream_options(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("'stream' must be a boolean", param="stream")
-    opts = body.get("stream_options") or {}
+    stream = _flag(body, "stream")
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
     if not isinstance(opts, dict):
         raise ApiError("'stream_options' must be an object", param="stream_options")
-    return stream, bool(opts.get("include_usage", False))
+    include_usage = opts.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError("'stream_options.include_usage' must be a boolean", param="stream_options")
+    return stream, bool(include_usage)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ApiError(f"'{name}' must be a boolean", param=name)
+    return bool(value)
 
 
 def context_error(max_model_len: int, param: str, what: str) -> ApiError:
