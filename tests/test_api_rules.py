@@ -549,3 +549,19 @@ async def test_a_content_encoding_the_server_cannot_read_is_a_415_naming_those_i
                                                    b"Content-Type: application/json\r\nContent-Encoding: "
                                                    + encoding.encode() + b"\r\nContent-Length: 2\r\n\r\n{}")  # fmt: skip
         assert b" 415 " in status and "gzip or deflate" in json.loads(body)["error"]["message"]
+
+
+async def test_what_a_message_carries_that_the_server_cannot_honour_is_refused_and_its_roles_named(tokenizer):
+    """Defect: an assistant message's tool_calls were dropped silently, and the role error did not
+    name 'developer', which it accepts."""
+    async with api_client(tokenizer) as client:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        for msg in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "assistant", "content": "", "function_call": {"name": "f", "arguments": "{}"}}):  # fmt: skip
+            resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}, msg]})
+            err = await error_of(resp)
+            assert resp.status == 400 and err["param"] == "messages" and "not supported" in err["message"], err
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
+        assert resp.status == 400 and "developer" in (await error_of(resp))["message"]
+        empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": []}]}
+        assert (await client.post("/v1/chat/completions", json=empty)).status == 503  # valid: no worker to run it

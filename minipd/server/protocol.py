@@ -189,7 +189,10 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
     clean, num_chars, num_parts = [], 0, 0
     for msg in messages:
         if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool", "developer"):
-            raise ApiError("each message needs a 'role' of system, user, assistant or tool", param="messages")
+            raise ApiError("each message needs a 'role' of system, developer, user, assistant or tool", param="messages")
+        for name in ("tool_calls", "function_call"):  # tools are not supported: a call is never dropped silently
+            if msg.get(name) not in (None, [], {}):
+                raise ApiError(f"a message's '{name}' is not supported by this server", param="messages")
         content = msg.get("content", "")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             num_parts += len(content)
