@@ -97,11 +97,13 @@ def test_errors_that_belong_to_a_request_end_only_that_request(harness):
     h.send(m.AddRequest("bad-params", [5], {"max_tokens": 0}))
     h.send(m.AddRequest("fine", [5, 6], PARAMS))
     h.send(m.AddRequest("fine", [5, 6], PARAMS))  # the same key twice
-    h.send(m.ReserveSeats(1, [["seat", 10, 0, 1], ["seat", 10, 0, 1]]))  # a duplicate seat
+    # a seat asked again while the first is still here is "no room now", not an error: a move
+    # refused by its source is asked again before the source's cancel lands (see test_handoffs)
+    h.send(m.ReserveSeats(1, [["seat", 10, 0, 1], ["seat", 10, 0, 1]]))
     got = h.run_until(lambda msgs: any(x.finished for x in of(m.Tokens, msgs)))
     errors = {e.key: e.message for e in of(m.RequestError, got)}
-    assert set(errors) == {"bad-ids", "bad-params", "fine", "seat"}
-    assert "already" in errors["fine"] and "already exists" in errors["seat"]
+    assert set(errors) == {"bad-ids", "bad-params", "fine"}
+    assert "already" in errors["fine"]
     reply = of(m.SeatsReserved, got)[0]
     assert reply.results[0][1] is not None and reply.results[1][1] is None
 
