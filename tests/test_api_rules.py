@@ -529,6 +529,23 @@ async def test_an_expectation_the_server_cannot_meet_gets_the_json_error_body(pa
         assert "200-ok" in json.loads(body)["error"]["message"]
 
 
+async def test_a_refused_expectation_does_not_leave_its_body_to_be_read_as_the_next_request():
+    """Defect: the 417 kept the connection open with the body unread, so the body's bytes were
+    parsed as the next request on the connection: a pipelined GET got a 400 for garbage."""
+    async with raw_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue, foo\r\n"
+                         b"Content-Length: 24\r\n\r\nXYZ /evil HTTP/1.1\r\n\r\n\r\n"
+                         b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await writer.drain()
+            rest = await asyncio.wait_for(reader.read(), 5)  # to the end: the server must close
+        finally:
+            writer.close()
+        statuses = [line.split()[1] for line in rest.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+        assert statuses[0] == b"417" and set(statuses[1:]) <= {b"200"}, rest
+
+
 @pytest.mark.parametrize("headers", [{"Range": "bytes=99999999-"}, {"Range": "bytes=0-1,5-6"},
                                      {"Range": "pages=1"}, {"If-Match": '"not-its-etag"'},
                                      {"If-Unmodified-Since": "Mon, 01 Jan 1990 00:00:00 GMT"}])  # fmt: skip

@@ -76,6 +76,8 @@ def _http_exceptions_as_json(handle):
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return http_exception_as_json(exc)
+            resp = http_exception_as_json(exc)
+            resp.force_close()  # the body was never read: its bytes must not become the next request
+            return resp
 
     return answer
