@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from minipd.server.app import Api
-from minipd.server.errors import Conflict
+from minipd.server.errors import Conflict, InvalidRequest
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode
 from minipd.server.router import Router
@@ -133,3 +133,16 @@ async def test_a_draining_worker_takes_the_idle_place_when_the_new_mode_has_one(
         router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
     await switch
     assert [w.role for w in pool.workers] == ["prefill", "idle", "decode"]
+
+
+@pytest.mark.parametrize("gbps", [1e-300, 1e-9, 0.0009, 0.0, -1.0, float("inf")])
+def test_an_emulated_link_too_slow_for_any_kv_is_refused(gbps):
+    """Defect: kv_link_gbps 1e-300 was taken; every disaggregated reply then hung 60 s and ended
+    in a 500, since no KV could cross the link."""
+    with pytest.raises(InvalidRequest) as err:
+        Mode("disagg", kv_link_gbps=gbps).check(2)
+    assert err.value.param == "kv_link_gbps" and "0.001" in str(err.value)
+
+
+def test_the_slowest_link_allowed_is_one_megabit():
+    Mode("disagg", kv_link_gbps=0.001).check(2)
