@@ -54,7 +54,11 @@ async def errors_as_json(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as err:
-        return json_error(err)
+        resp = json_error(err)
+        if request.content.exception() is not None:  # a body that could not be decoded: the rest of it
+            request.content.feed_eof()  # is not read (aiohttp's lingering read would raise again)
+            resp.force_close()  # and the connection ends, its position in the stream unknown
+        return resp
     except ServeError as err:
         return json_error(as_api_error(err))
     except web.HTTPException as exc:
