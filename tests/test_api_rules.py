@@ -267,6 +267,22 @@ async def test_another_site_reads_nothing_under_admin_or_v1(path):
         assert (await client.get("/v1/models", headers={"Sec-Fetch-Site": "same-origin"})).status == 200
 
 
+@pytest.mark.parametrize("name", ["Origin", "Sec-Fetch-Site", "Host"])
+async def test_a_guarded_header_sent_twice_is_refused(name):
+    """Defect: only the first Origin (or Sec-Fetch-Site, Host) was checked, so an own origin
+    followed by a foreign one passed. A request may carry each at most once (RFC 6454, 9110)."""
+    async with raw_server() as port:
+        first = {"Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-origin", "Host": f"127.0.0.1:{port}"}[name]
+        second = {"Origin": EVIL, "Sec-Fetch-Site": "cross-site", "Host": "evil.example"}[name]
+        head = f"GET /admin/mode HTTP/1.1\r\n{name}: {first}\r\n"
+        if name != "Host":
+            head += f"Host: 127.0.0.1:{port}\r\n"
+        status, _, body = await raw_exchange(port, f"{head}{name}: {second}\r\n\r\n".encode())
+        assert status.split()[1] == b"400" and name in json.loads(body)["error"]["message"], body
+        status, _, body = await raw_exchange(port, f"{head}\r\n".encode())
+        assert status.split()[1] == b"200", body
+
+
 async def test_ip_literals_pass_when_listening_on_the_network_with_allowed_hosts():
     async with api_client(listen_host="0.0.0.0", allowed_hosts=["gpu-box"]) as client:
         assert (await client.get("/v1/models", headers={"Host": "192.0.2.7:8000"})).status == 200

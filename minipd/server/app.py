@@ -73,6 +73,9 @@ async def errors_as_json(request: web.Request, handler):
         return json_error(ApiError("internal server error", 500, type_="server_error"))
 
 
+GUARDED_HEADERS = ("Host", "Origin", "Sec-Fetch-Site", "Access-Control-Request-Method")
+
+
 def guard_browsers(guard: BrowserGuard):
     """browser_guard.py's rules; a CORS preflight is answered here, before the API key is asked for."""
 
@@ -81,6 +84,9 @@ def guard_browsers(guard: BrowserGuard):
 
     @web.middleware
     async def check(request: web.Request, handler):
+        for name in GUARDED_HEADERS:  # each is checked below; a second copy must not slip past
+            if len(request.headers.getall(name, ())) > 1:
+                return json_error(ApiError(f"the {name} header was sent more than once", 400, code="duplicate_header"))
         host = request.headers.get("Host")
         why = guard.host_refusal(host)
         if why:
