@@ -205,6 +205,10 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
     ({"top_logprobs": ""}, "top_logprobs"), ({"top_logprobs": 3}, "top_logprobs"),
     ({"echo": ""}, "echo"), ({"echo": []}, "echo"), ({"echo": {}}, "echo"),
+    ({"suffix": 0}, "suffix"), ({"user": 0}, "user"), ({"user": ["a"]}, "user"),
+    # stream_options without a stream were ignored; OpenAI and vLLM refuse them (defect)
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
 ])  # fmt: skip
 async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
     async with api_client(tokenizer) as client:
@@ -601,5 +605,9 @@ async def test_what_a_message_carries_that_the_server_cannot_honour_is_refused_a
             assert resp.status == 400 and err["param"] == "messages" and "not supported" in err["message"], err
         resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
         assert resp.status == 400 and "developer" in (await error_of(resp))["message"]
-        empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": []}]}
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "name": 5}]})
+        assert resp.status == 400 and "name" in (await error_of(resp))["message"]  # was taken (defect)
+        empty = {"messages": [{"role": "user", "content": "hi", "name": "ann"},
+                              {"role": "assistant", "content": "", "tool_calls": []}],
+                 "min_p": 0, "min_tokens": 0, "user": "u1", "suffix": None, "stream_options": None}  # fmt: skip
         assert (await client.post("/v1/chat/completions", json=empty)).status == 503  # valid: no worker to run it

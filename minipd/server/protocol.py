@@ -31,11 +31,18 @@ UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "p
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,)}
 
 
+NEUTRAL_NUMBERS = ("min_p", "min_tokens")  # 0 means "off" for these alone
+
+
 def refuse_unsupported(body: dict) -> None:
     for name in UNSUPPORTED:
         value = body.get(name)
-        if value not in (None, False, 0, "", [], {}):
+        off = value is None or (not value and isinstance(value, (bool, str, list, dict)))
+        if not off and not (name in NEUTRAL_NUMBERS and value == 0 and not isinstance(value, bool)):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError("'user' must be a string", param="user")
     for name, fine in HARMLESS.items():
         if body.get(name) is not None and body[name] not in fine:
             raise ApiError(f"'{name}' other than {' or '.join(map(repr, fine))} is not supported", param=name)
@@ -127,6 +134,8 @@ def stream_options(body: dict) -> tuple[bool, bool]:
     include_usage = opts.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ApiError("'stream_options.include_usage' must be a boolean", param="stream_options")
+    if body.get("stream_options") is not None and not stream:
+        raise ApiError("'stream_options' is only allowed with 'stream': true", param="stream_options")
     return stream, bool(include_usage)
 
 
@@ -193,6 +202,8 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
         for name in ("tool_calls", "function_call"):  # tools are not supported: a call is never dropped silently
             if msg.get(name) not in (None, [], {}):
                 raise ApiError(f"a message's '{name}' is not supported by this server", param="messages")
+        if msg.get("name") is not None and not isinstance(msg["name"], str):
+            raise ApiError("a message's 'name' must be a string", param="messages")
         content = msg.get("content", "")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             num_parts += len(content)
