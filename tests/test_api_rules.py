@@ -611,3 +611,15 @@ async def test_what_a_message_carries_that_the_server_cannot_honour_is_refused_a
                               {"role": "assistant", "content": "", "tool_calls": []}],
                  "min_p": 0, "min_tokens": 0, "user": "u1", "suffix": None, "stream_options": None}  # fmt: skip
         assert (await client.post("/v1/chat/completions", json=empty)).status == 503  # valid: no worker to run it
+
+
+async def test_one_model_is_retrieved_by_its_id_as_openai_serves_it():
+    """Defect: GET /v1/models/{model} (OpenAI's models.retrieve) was a 404 even for the model served."""
+    async with api_client() as client:
+        resp = await client.get("/v1/models/tiny")
+        assert resp.status == 200
+        card = await resp.json()
+        assert card["id"] == "tiny" and card["object"] == "model"
+        assert card == (await (await client.get("/v1/models")).json())["data"][0] | {"created": card["created"]}
+        resp = await client.get("/v1/models/gpt-4")
+        assert resp.status == 404 and (await error_of(resp))["code"] == "model_not_found"

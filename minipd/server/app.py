@@ -160,6 +160,7 @@ class Api:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),  # ids may hold a '/' (org/name)
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
             web.get("/v1/requests/{request_id}/timeline", self.timeline),
@@ -283,10 +284,19 @@ class Api:
         await send(b"[DONE]")
 
     # ---- the rest ----------------------------------------------------------------------
-    async def models(self, request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": p.now(), "owned_by": "minipd",
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": p.now(), "owned_by": "minipd",
                 "root": self.model_name, "parent": None, "max_model_len": self.max_model_len}  # fmt: skip
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.model_name:
+            raise ApiError(f"model {name[:200]!r} is not served here; this server serves {self.model_name!r}",
+                           404, param="model", code="model_not_found")  # fmt: skip
+        return web.json_response(self._model_card())
 
     async def health(self, request) -> web.Response:
         r = self.router
