@@ -412,3 +412,21 @@ def wait_gone(pid: int, timeout: float = 10) -> None:
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
         assert time.monotonic() < deadline, f"pid {pid} still alive"
         time.sleep(0.05)
+
+
+def test_restarts_an_operator_asks_for_do_not_use_up_the_crash_budget():
+    """Defect: each `drain {"restart": true}` counted as a crash, so the (N+1)th requested restart
+    within the window left the worker dead for good and /health unhealthy."""
+    with serving(*TINY, "--workers", "2", "--max-worker-restarts", "1") as s:
+        for _ in range(3):
+            incarnation = s.get("/admin/workers")[1]["workers"][1]["incarnation"]
+            status, outcome = s.post("/admin/workers/1/drain", {"restart": True})
+            assert status == 200 and outcome["stopped"], outcome
+            deadline = time.monotonic() + 60
+            while True:
+                w = s.get("/admin/workers")[1]["workers"][1]
+                if w["state"] == "up" and w["incarnation"] > incarnation:
+                    break
+                assert w["state"] != "dead" and time.monotonic() < deadline, w
+                time.sleep(0.2)
+        assert s.get("/health")[0] == 200

@@ -120,6 +120,7 @@ class Mover:
                    **summary(records)}  # fmt: skip
         if stop and w.alive:
             w.kill_reason = f"stopped on request after its replies were moved away ({left} left to redo)"
+            w.stop_requested = True
             outcome["stopped"] = r.pool.send(worker_id, m.Shutdown())
         r.events.publish({"type": "worker", "worker": worker_id, "state": "drained", "time": time.time(), **outcome})
         return outcome

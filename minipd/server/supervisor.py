@@ -48,12 +48,13 @@ class Supervisor:
         code = w.process.exitcode
         how = f"killed by {_signal_name(-code)}" if code is not None and code < 0 else f"exit code {code}"
         cause = f"worker {worker_id} (pid {w.pid}) died: {how}" + (f", as {w.kill_reason}" if w.kill_reason else "")
-        log.error("%s", cause)
+        requested = w.stop_requested and code == 0
+        log.log(logging.INFO if requested else logging.ERROR, "%s", cause)
         self.pool.remove_segments_of(w)
         w.exit_cause = cause
         now = time.monotonic()
         recent = [t for t in w.restarts if now - t < self.restart_window]
-        w.state = "restarting" if len(recent) < self.max_restarts else "dead"
+        w.state = "restarting" if requested or len(recent) < self.max_restarts else "dead"
         if w.state == "dead":
             log.error("worker %d died %d times in %.0f s: not restarting it", worker_id, len(recent) + 1,
                       self.restart_window)  # fmt: skip
@@ -62,11 +63,12 @@ class Supervisor:
             fut.set_exception(RuntimeError(cause))
         self.router.on_worker_lost(worker_id, cause)
         if w.state == "restarting":
-            self.router.spawn(self._restart(worker_id))
+            self.router.spawn(self._restart(worker_id, counted=not requested))
 
-    async def _restart(self, worker_id: int) -> None:
+    async def _restart(self, worker_id: int, counted: bool = True) -> None:
         w = self.pool.workers[worker_id]
-        w.restarts.append(time.monotonic())
+        if counted:  # a restart the operator asked for is not a crash: it uses none of the budget
+            w.restarts.append(time.monotonic())
         loop = asyncio.get_running_loop()
         self.ready[worker_id] = fut = loop.create_future()
         try:

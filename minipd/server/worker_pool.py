@@ -44,6 +44,7 @@ class WorkerHandle:
     stalled_s: float = 0.0  # ... how long its loop had not come round outside a step
     exit_cause: str | None = None
     kill_reason: str | None = None  # why the supervisor killed it, if it did
+    stop_requested: bool = False  # an operator's drain with restart: its clean exit is not a crash
     restarts: list[float] = field(default_factory=list)
 
     @property
@@ -109,6 +110,7 @@ class WorkerPool:
         sock.connect(spec.control_address)
         w.process, w.control, w.info, w.stats = proc, sock, None, None
         w.last_heard, w.step_s, w.stalled_s, w.kill_reason = time.monotonic(), 0.0, 0.0, None
+        w.stop_requested = False
         w.draining = w.leaving = False
         return w
 
