@@ -18,7 +18,7 @@ MODES = ("colocated", "chunked", "disagg")
 DEFAULT_CHUNK_TOKENS = 512
 MAX_TOKENS_SETTING = 1 << 20  # more than any context served here; bounds what reaches the workers
 MAX_LINK_LATENCY_MS = 60_000.0
-MIN_LINK_GBPS = 0.001  # below it not even a short prompt's KV crosses the link within the handoff lease
+MIN_LINK_GBPS = 1e-5  # 10 kbit/s: slow enough for tests of a lease running out, and no slower
 
 
 @dataclass(slots=True)
@@ -38,7 +38,7 @@ class Mode:
         if not 1 <= self.chunk_tokens <= MAX_TOKENS_SETTING:
             raise InvalidRequest(f"chunk_tokens must be between 1 and {MAX_TOKENS_SETTING}", param="chunk_tokens")
         if self.kv_link_gbps is not None and not MIN_LINK_GBPS <= self.kv_link_gbps < math.inf:
-            raise InvalidRequest(f"kv_link_gbps must be a finite number >= {MIN_LINK_GBPS:g} (1 Mbit/s; "
+            raise InvalidRequest(f"kv_link_gbps must be a finite number >= {MIN_LINK_GBPS:g} (10 kbit/s; "
                                  "or null: unpaced)", param="kv_link_gbps")  # fmt: skip
         if not 0 <= self.local_prefill_tokens <= MAX_TOKENS_SETTING:
             raise InvalidRequest(f"local_prefill_tokens must be between 0 and {MAX_TOKENS_SETTING}",
