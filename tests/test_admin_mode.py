@@ -9,7 +9,7 @@ import pytest
 from minipd.server.app import Api
 from minipd.server.errors import Conflict, InvalidRequest
 from minipd.server.metrics import Metrics
-from minipd.server.modes import Mode
+from minipd.server.modes import Mode, requested_mode
 from minipd.server.router import Router
 from minipd.workers import messages as m
 
@@ -146,3 +146,39 @@ def test_an_emulated_link_too_slow_for_any_kv_is_refused(gbps):
 
 def test_the_slowest_link_allowed_is_ten_kilobits():
     Mode("disagg", kv_link_gbps=1e-5).check(2)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"mode": "disagg", "workers": 1}, "workers"),
+    ({"mode": "chunked", "prefill_workers": 2}, "prefill_workers"),
+    ({"mode": "colocated", "decode_workers": 2}, "decode_workers"),
+    ({"mode": "colocated", "chunk_tokens": 64}, "chunk_tokens"),
+    ({"mode": "chunked", "local_prefill_tokens": 128}, "local_prefill_tokens"),
+])  # fmt: skip
+def test_a_setting_that_does_not_apply_to_the_mode_asked_for_is_refused(body, param):
+    """Defect: `workers` sent with disagg was kept out of sight and applied by a later switch (chunked
+    then served on 1 of 2 workers); `prefill_workers` sent with chunked was taken without a word."""
+    with pytest.raises(InvalidRequest) as refused:
+        requested_mode(body, Mode())
+    assert refused.value.param == param and body["mode"] in str(refused.value)
+
+
+def test_a_setting_sent_at_its_default_where_it_does_not_apply_is_harmless():
+    assert requested_mode({"mode": "disagg", "workers": None, "chunk_tokens": 512}, Mode()) == Mode("disagg")
+    assert requested_mode({"mode": "colocated", "prefill_workers": 1}, Mode()) == Mode()
+
+
+def test_a_setting_of_another_mode_does_not_come_back_unseen_after_a_switch_through_it():
+    """chunked on 1 worker, then disagg (its view shows no `workers`), then chunked again: all workers
+    serve, as GET /admin/mode said while in disagg. A setting that applies to both modes is kept, and shown."""
+    chunked_one = requested_mode({"mode": "chunked", "chunk_tokens": 64, "workers": 1}, Mode())
+    disagg = requested_mode({"mode": "disagg"}, chunked_one)
+    assert disagg.workers is None and disagg.as_dict() == {**DISAGG, "chunk_tokens": 64}
+    assert requested_mode({"mode": "chunked"}, disagg) == Mode("chunked", chunk_tokens=64)
+    local = requested_mode({"mode": "disagg", "local_prefill_tokens": 256}, Mode())
+    assert requested_mode({"mode": "disagg"}, requested_mode({"mode": "colocated"}, local)).local_prefill_tokens == 0
+
+
+def test_an_emulated_link_shows_in_every_mode_since_moves_cross_it_in_every_mode():
+    slow = requested_mode({"mode": "colocated", "kv_link_gbps": 1.0, "kv_link_latency_ms": 2}, Mode())
+    assert slow.as_dict() == {"mode": "colocated", "kv_link_gbps": 1.0, "kv_link_latency_ms": 2}

@@ -22,7 +22,7 @@ from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
-from minipd.server.modes import Mode
+from minipd.server.modes import LINK_SETTINGS, requested_mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
 
@@ -343,29 +343,15 @@ class Api:
         drain = body.get("drain", False)
         if not isinstance(drain, bool):
             raise InvalidRequest("'drain' must be true or false", param="drain")
-        name = body.get("mode", cur.name)
-        if not isinstance(name, str):
-            raise InvalidRequest("'mode' must be a string", param="mode")
-        if name == "auto":  # the advisor chooses from now on (GET /admin/advisor says what and why)
+        if body.get("mode") == "auto":  # the advisor chooses from now on (GET /admin/advisor says what and why)
             if set(body) - {"mode"}:
                 raise InvalidRequest("'auto' takes no other field: the advisor chooses them", param=sorted(set(body) - {"mode"})[0])
             self.router.advisor.enable()
             return web.json_response(self.router.mode_report())
-        fields = {}
-        for field in ("prefill_workers", "decode_workers", "chunk_tokens", "workers", "local_prefill_tokens"):
-            value = body.get(field, getattr(cur, field))  # omitted fields keep their values
-            if (value is None and field != "workers") or isinstance(value, bool) or not isinstance(value, (int, type(None))):
-                raise InvalidRequest(f"'{field}' must be an integer", param=field)
-            fields[field] = value
-        for field in ("kv_link_gbps", "kv_link_latency_ms"):
-            value = body.get(field, getattr(cur, field))
-            if (value is None and field == "kv_link_latency_ms") or isinstance(value, bool) \
-                    or not isinstance(value, (int, float, type(None))):  # fmt: skip
-                raise InvalidRequest(f"'{field}' must be a number", param=field)
+        mode = requested_mode(body, cur)
+        for field in LINK_SETTINGS:
             if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
-            fields[field] = value
-        mode = Mode(name, **fields)
         mode.check(len(self.router.pool.workers))
         self.router.advisor.enable(False)  # a mode chosen by hand ends `auto`
         outcome = await self.router.set_mode(mode, drain=drain)

@@ -71,17 +71,54 @@ class Mode:
         """Only the fields that mean something in this mode."""
         if self.name == "disagg":
             out = {"mode": self.name, "prefill_workers": self.prefill_workers, "decode_workers": self.decode_workers}
-            if self.kv_link_gbps is not None or self.kv_link_latency_ms:
-                out.update(kv_link_gbps=self.kv_link_gbps, kv_link_latency_ms=self.kv_link_latency_ms)
             if self.local_prefill_tokens:
                 out["local_prefill_tokens"] = self.local_prefill_tokens
             if self.chunk_tokens != DEFAULT_CHUNK_TOKENS:  # the chunks its decode workers read prompts in
                 out["chunk_tokens"] = self.chunk_tokens
-            return out
-        out = {"mode": self.name, "chunk_tokens": self.chunk_tokens} if self.name == "chunked" else {"mode": self.name}
-        if self.workers is not None:
-            out["workers"] = self.workers
+        else:
+            out = {"mode": self.name, "chunk_tokens": self.chunk_tokens} if self.name == "chunked" else {"mode": self.name}
+            if self.workers is not None:
+                out["workers"] = self.workers
+        if self.kv_link_gbps is not None or self.kv_link_latency_ms:
+            out.update(kv_link_gbps=self.kv_link_gbps, kv_link_latency_ms=self.kv_link_latency_ms)
         return out
+
+
+# The settings that mean something in each mode; the emulated link's apply in all (moves cross it).
+APPLIES_TO = {"workers": ("colocated", "chunked"), "chunk_tokens": ("chunked", "disagg"),
+              "prefill_workers": ("disagg",), "decode_workers": ("disagg",), "local_prefill_tokens": ("disagg",)}  # fmt: skip
+INTEGER_SETTINGS = ("prefill_workers", "decode_workers", "chunk_tokens", "workers", "local_prefill_tokens")
+LINK_SETTINGS = ("kv_link_gbps", "kv_link_latency_ms")
+
+
+def requested_mode(body: dict, cur: Mode) -> Mode:
+    """The mode a POST /admin/mode body asks for. An omitted setting keeps its value where it applies
+    to the new mode and goes back to its default where it does not, so nothing the mode's view hides
+    comes back with a later switch; a setting sent for a mode it does not apply to is refused."""
+    name = body.get("mode", cur.name)
+    if not isinstance(name, str):
+        raise InvalidRequest("'mode' must be a string", param="mode")
+    if name not in MODES:
+        raise InvalidRequest(f"mode must be one of {MODES}, got {name!r}", param="mode")
+    fields = {}
+    for field in INTEGER_SETTINGS + LINK_SETTINGS:
+        default, applies = getattr(DEFAULT_MODE, field), name in APPLIES_TO.get(field, MODES)
+        if field not in body:
+            fields[field] = getattr(cur, field) if applies else default
+            continue
+        value = body[field]
+        nullable = field in ("workers", "kv_link_gbps")
+        kinds = (int,) if field in INTEGER_SETTINGS else (int, float)
+        if isinstance(value, bool) or not (isinstance(value, kinds) or (value is None and nullable)):
+            raise InvalidRequest(f"'{field}' must be {'an integer' if kinds == (int,) else 'a number'}", param=field)
+        if not applies and value != default:
+            raise InvalidRequest(f"'{field}' does not apply to mode {name!r}: it is a setting of "
+                                 f"{' and '.join(APPLIES_TO[field])}", param=field)  # fmt: skip
+        fields[field] = value
+    return Mode(name, **fields)
+
+
+DEFAULT_MODE = Mode()
 
 
 class ModeSwitcher:
