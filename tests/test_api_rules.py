@@ -209,6 +209,9 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     # stream_options without a stream were ignored; OpenAI and vLLM refuse them (defect)
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+    # an unknown or mistyped stream option was ignored (defect)
+    ({"stream": True, "stream_options": {"include_usage": True, "usage_every_chunk": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
 ])  # fmt: skip
 async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
     async with api_client(tokenizer) as client:
@@ -623,3 +626,33 @@ async def test_one_model_is_retrieved_by_its_id_as_openai_serves_it():
         assert card == (await (await client.get("/v1/models")).json())["data"][0] | {"created": card["created"]}
         resp = await client.get("/v1/models/gpt-4")
         assert resp.status == 404 and (await error_of(resp))["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("options, usages", [
+    ({"include_usage": True}, [None, None, None, (3, 2)]),
+    ({"include_usage": True, "continuous_usage_stats": True}, [(3, 0), (3, 1), (3, 2), (3, 2)]),
+    ({"continuous_usage_stats": True}, [None, None, None]),  # as vLLM: only with include_usage
+])  # fmt: skip
+async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(options, usages):
+    """Defect: vLLM's stream_options.continuous_usage_stats was ignored (the usage came only at the end)."""
+    from minipd.server.protocol import StreamOptions, chat_chunk, stream_options
+    from minipd.server.request_state import Delta
+
+    opts = stream_options({"stream": True, "stream_options": options})
+    assert isinstance(opts, StreamOptions) and opts.stream
+    async with api_client() as client:
+        state = SimpleNamespace(request_id="chatcmpl-1", prompt_token_ids=[1, 2, 3], deltas=asyncio.Queue())
+        for delta in (Delta("a", 1), Delta("b", 1, "length")):
+            state.deltas.put_nowait(delta)
+        sent = []
+
+        async def send(obj):
+            sent.append(obj)
+
+        def chunk(delta, finish_reason):
+            return chat_chunk("chatcmpl-1", "tiny", 0, delta, finish_reason)
+
+        await client.api._stream_deltas(state, send, chunk, True, opts)
+    assert sent[-1] == b"[DONE]"
+    got = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) if c.get("usage") else None for c in sent[:-1]]
+    assert got == usages

@@ -209,14 +209,14 @@ class Api:
         vocab = len(self.tokenizer) if self.tokenizer else None
         if vocab and any(t < 0 or t >= vocab for t in ids):
             raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
-        stream, include_usage = p.stream_options(body)
+        opts = p.stream_options(body)
         default = self.default_max_tokens if chat else 16
         params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         state = self.router.submit(rid, ids, params)
         try:
-            if stream:
-                return await self._stream(request, state, chat, include_usage)
+            if opts.stream:
+                return await self._stream(request, state, chat, opts)
             return await self._collect(state, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             log.debug("client went away; request %s aborted", rid)
@@ -240,7 +240,7 @@ class Api:
         body = make(state.request_id, self.model_name, p.now(), text, d.finish_reason, use)
         return web.json_response(body)
 
-    async def _stream(self, request, state, chat: bool, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request, state, chat: bool, opts: p.StreamOptions) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created = p.now()
 
@@ -254,16 +254,22 @@ class Api:
 
         try:
             await resp.prepare(request)
-            await self._stream_deltas(state, send, chunk, chat, include_usage)
+            await self._stream_deltas(state, send, chunk, chat, opts)
             await resp.write_eof()
         except ConnectionResetError:  # the client went away mid-stream; _serve frees the request
             log.debug("client of %s went away", state.request_id)
         return resp
 
-    async def _stream_deltas(self, state, send, chunk, chat: bool, include_usage: bool) -> None:
+    async def _stream_deltas(self, state, send, chunk, chat: bool, opts: p.StreamOptions) -> None:
         n = 0
+
+        async def send_chunk(obj: dict) -> None:
+            if opts.continuous_usage:
+                obj["usage"] = p.usage(len(state.prompt_token_ids), n)
+            await send(obj)
+
         if chat:
-            await send(chunk({"role": "assistant", "content": ""}, None))
+            await send_chunk(chunk({"role": "assistant", "content": ""}, None))
         while True:
             d = await state.deltas.get()
             n += d.num_tokens
@@ -272,10 +278,10 @@ class Api:
                 break
             if d.text or d.finish_reason:
                 text = {"content": d.text} if chat else d.text
-                await send(chunk(text if d.text or not chat else {}, d.finish_reason))
+                await send_chunk(chunk(text if d.text or not chat else {}, d.finish_reason))
             if d.finish_reason:
                 break
-        if include_usage:
+        if opts.include_usage:
             obj = chunk({}, None)
             obj["choices"] = []
             obj["usage"] = p.usage(len(state.prompt_token_ids), n)

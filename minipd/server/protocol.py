@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from minipd.sampling_params import SamplingParams
 
@@ -125,18 +126,35 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     )  # fmt: skip
 
 
-def stream_options(body: dict) -> tuple[bool, bool]:
+@dataclass(frozen=True, slots=True)
+class StreamOptions:
+    stream: bool = False
+    include_usage: bool = False  # a last chunk with the usage (OpenAI)
+    continuous_usage: bool = False  # ... and the usage so far in every chunk (vLLM's continuous_usage_stats)
+
+
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
+
+
+def stream_options(body: dict) -> StreamOptions:
     stream = _flag(body, "stream")
     opts = body.get("stream_options")
     opts = {} if opts is None else opts
     if not isinstance(opts, dict):
         raise ApiError("'stream_options' must be an object", param="stream_options")
-    include_usage = opts.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise ApiError("'stream_options.include_usage' must be a boolean", param="stream_options")
+    unknown = sorted(set(opts) - set(STREAM_OPTIONS))
+    if unknown:
+        raise ApiError(f"unknown stream_options field(s) {unknown}; known: {', '.join(STREAM_OPTIONS)}",
+                       param="stream_options")  # fmt: skip
+    for name in STREAM_OPTIONS:
+        if opts.get(name) is not None and not isinstance(opts[name], bool):
+            raise ApiError(f"'stream_options.{name}' must be a boolean", param="stream_options")
+    if opts.get("include_obfuscation"):  # OpenAI pads chunks against length side channels; not done here
+        raise ApiError("'stream_options.include_obfuscation' is not supported by this server", param="stream_options")
     if body.get("stream_options") is not None and not stream:
         raise ApiError("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    return stream, bool(include_usage)
+    include_usage = bool(opts.get("include_usage"))
+    return StreamOptions(stream, include_usage, include_usage and bool(opts.get("continuous_usage_stats")))
 
 
 def _flag(body: dict, name: str) -> bool:
