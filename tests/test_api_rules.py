@@ -209,6 +209,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     # stream_options without a stream were ignored; OpenAI and vLLM refuse them (defect)
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+    ({"stop": ""}, "stop"),  # as vLLM: "" was read as no stop string, while [""] was refused (defect)
     # an unknown or mistyped stream option was ignored (defect)
     ({"stream": True, "stream_options": {"include_usage": True, "usage_every_chunk": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
@@ -656,3 +657,25 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(optio
     assert sent[-1] == b"[DONE]"
     got = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) if c.get("usage") else None for c in sent[:-1]]
     assert got == usages
+
+
+async def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():
+    """Defect: the parts were run together ("Hello" + "world" read as "Helloworld")."""
+    from minipd.server.protocol import chat_messages
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    got = chat_messages({"messages": [{"role": "user", "content": parts}]}, MAX_MODEL_LEN, 16)
+    assert got == [{"role": "user", "content": "Hello\nworld"}]
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "system", "content": None}, {"role": "tool"}])  # fmt: skip
+async def test_a_message_without_content_is_refused_unless_it_is_the_assistants(message):
+    """Defect: a user message with no content was read as "" but one with null content was refused."""
+    from minipd.server.protocol import ApiError, chat_messages
+
+    with pytest.raises(ApiError) as refused:
+        chat_messages({"messages": [message]}, MAX_MODEL_LEN, 16)
+    assert refused.value.param == "messages" and "content" in str(refused.value)
+    for assistant in ({"role": "assistant"}, {"role": "assistant", "content": None}):
+        assert chat_messages({"messages": [assistant]}, MAX_MODEL_LEN, 16) == [{"role": "assistant", "content": ""}]

@@ -100,9 +100,9 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     else:
         max_tokens = requested
     stop = body.get("stop")
-    stop = [] if stop is None or stop == "" else [stop] if isinstance(stop, str) else stop
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError("'stop' must be a string or a list of non-empty strings", param="stop")
+        raise ApiError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
     if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise ApiError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters "
                        f"each", param="stop")  # fmt: skip
@@ -222,7 +222,7 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
                 raise ApiError(f"a message's '{name}' is not supported by this server", param="messages")
         if msg.get("name") is not None and not isinstance(msg["name"], str):
             raise ApiError("a message's 'name' must be a string", param="messages")
-        content = msg.get("content", "")
+        content = msg.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             num_parts += len(content)
             if num_parts > max_model_len:
@@ -230,11 +230,13 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):  # fmt: skip
                 raise ApiError("only text content parts are supported, each with its 'text'", param="messages")
-            content = "".join(p["text"] for p in content)
-        if content is None and msg["role"] == "assistant":
+            content = "\n".join(p["text"] for p in content)  # as vLLM
+        if msg["role"] == "assistant" and content is None:
             content = ""
+        if content is None:
+            raise ApiError(f"a {msg['role']} message needs its 'content'", param="messages")
         if not isinstance(content, str):
-            raise ApiError("message 'content' must be a string", param="messages")
+            raise ApiError("message 'content' must be a string or a list of text parts", param="messages")
         num_chars += len(content)
         role = "system" if msg["role"] == "developer" else msg["role"]
         clean.append({"role": role, "content": content})
