@@ -217,7 +217,7 @@ def test_a_seat_whose_prefill_never_arrives_is_released():
                  env={"MINIPD_FAULTS": "ignore_request_on_token=777"}) as s:  # fmt: skip
         started = time.monotonic()
         status, err = completion(s, [777, 1, 2], max_tokens=3)
-        assert status == 500 and "no KV arrived in its seat within 1 s" in err["error"]["message"]
+        assert status == 503 and "no KV arrived in its seat within 1 s" in err["error"]["message"]
         assert time.monotonic() - started < 5
         wait_for_idle_workers(s, timeout=5)
         assert completion(s, [1, 2, 3], max_tokens=3)[0] == 200
@@ -290,7 +290,7 @@ async def test_disaggregated_decode_does_not_preempt_at_the_configured_load():
 def test_a_request_past_its_deadline_ends_with_an_error_and_frees_its_blocks():
     with serving(*TINY, "--workers", "1", "--request-timeout", "1", env={"MINIPD_FAULTS": "slow_step_s=0.01"}) as s:
         status, err = completion(s, [5, 6], max_tokens=2000)
-        assert status == 500 and "did not finish within 1 s" in err["error"]["message"]
+        assert status == 503 and "did not finish within 1 s" in err["error"]["message"]
         wait_for_idle_workers(s, timeout=5)
 
 

@@ -184,3 +184,40 @@ async def test_requests_waiting_to_be_placed_count_as_waiting():
     router.serving.set()
     await placed(router)
     assert 'minipd:num_requests_waiting{model_name="m"} 0.0' in router.metrics.render().decode()
+
+
+@pytest.mark.asyncio
+async def test_a_kv_handoff_past_its_lease_ends_as_a_503_timeout_not_a_500():
+    """Defect: a handoff that outlived --kv-transfer-timeout (a link too slow for the prompt) ended the
+    request as a 500 server_error, as if the server were broken; it is a limit, and a retry may pass."""
+    from minipd.server.app import Api
+
+    router = serving_router(FakePool(["prefill", "decode"]))
+    router.mode = Mode("disagg")
+    state = router.requests["r"] = RequestState("r", [1, 2], SamplingParams(max_tokens=3), None)
+    router.assign(state, Placement("r.1", worker=0, reader=1, dispatched=True, first_token_at=time.monotonic()))
+    with mock.patch("time.monotonic", return_value=time.monotonic() + router.limits.kv_transfer_timeout + 1):
+        router.check_deadlines()
+    assert state.finished
+    delta = state.deltas.get_nowait()
+    assert (delta.error_status, delta.error_code) == (503, "kv_handoff_timeout") and "handoff" in delta.error
+    state.deltas.put_nowait(delta)
+    api = Api(router, "m", 64)
+    with pytest.raises(Exception) as failed:
+        await api._collect(state, chat=False)
+    body = failed.value.body()["error"]
+    assert failed.value.status == 503 and body["code"] == "kv_handoff_timeout" and body["type"] == "server_error"
+
+
+@pytest.mark.asyncio
+async def test_a_kv_handoff_that_failed_on_a_worker_is_a_503_and_other_worker_errors_stay_500():
+    router = serving_router(FakePool(["prefill", "decode"]))
+    router.mode = Mode("disagg")
+    ends = {}
+    for rid, code in (("a", "kv_handoff_failed"), ("b", None)):
+        state = router.requests[rid] = RequestState(rid, [1, 2], SamplingParams(max_tokens=3), None)
+        router.assign(state, Placement(f"{rid}.1", worker=0, reader=1, dispatched=True))
+        router.on_message(m.RequestError(f"{rid}.1", 0, "KV handoff failed: the decode worker did not take it", code))
+        delta = state.deltas.get_nowait()
+        ends[rid] = (delta.error_status, delta.error_code)
+    assert ends == {"a": (503, "kv_handoff_failed"), "b": (500, None)}

@@ -232,7 +232,7 @@ class Api:
             text += d.text
             n += d.num_tokens
             if d.error:
-                raise ApiError(d.error, 500, type_="server_error")
+                raise ApiError(d.error, d.error_status, type_="server_error", code=d.error_code)
             if d.finish_reason:
                 break
         use = p.usage(len(state.prompt_token_ids), n)
@@ -274,7 +274,7 @@ class Api:
             d = await state.deltas.get()
             n += d.num_tokens
             if d.error:
-                await send(ApiError(d.error, 500, type_="server_error").body())
+                await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
                 break
             if d.text or d.finish_reason:
                 text = {"content": d.text} if chat else d.text

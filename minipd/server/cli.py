@@ -338,7 +338,7 @@ async def serve(args, configs: list[dict], mode) -> None:
             second.cancel()
         router.accepting = False
         for state in list(router.requests.values()):
-            router.fail(state, "the server is shutting down")
+            router.fail(state, "the server is shutting down", status=503, code="shutting_down")
         router.events.close()  # open /admin/events streams end, so the HTTP server can stop at once
     finally:
         log.info("minipd: shutting down")

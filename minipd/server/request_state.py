@@ -16,6 +16,8 @@ class Delta:
     num_tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    error_status: int = 500  # what the client is told: 500 a fault, 503 a limit or a state a retry may pass
+    error_code: str | None = None
 
 
 @dataclass(slots=True)

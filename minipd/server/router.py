@@ -106,11 +106,12 @@ class Router:
             self._end(state, finish_reason="abort")
             self.release_holders(state)
 
-    def fail(self, state: RequestState, message: str, reporter: int | None = None) -> None:
+    def fail(self, state: RequestState, message: str, reporter: int | None = None, status: int = 500,
+             code: str | None = None) -> None:  # fmt: skip
         """End a request with an error and free what every other worker holds for it."""
         if state.finished:
             return
-        self._end(state, error=message)
+        self._end(state, error=message, error_status=status, error_code=code)
         self.release_holders(state, skip=reporter)
 
     def timeline(self, request_id: str) -> dict | None:
@@ -219,7 +220,8 @@ class Router:
             self.redo(state, f"its move failed on worker {msg.worker_id}: {msg.message}")
         else:
             log.info("request %s failed on worker %d: %s", state.request_id, msg.worker_id, msg.message)
-            self.fail(state, msg.message, reporter=msg.worker_id)
+            status = 503 if msg.code == m.KV_HANDOFF_FAILED else 500
+            self.fail(state, msg.message, reporter=msg.worker_id, status=status, code=msg.code)
 
     def _arrived(self, state: RequestState, msg: m.Event) -> None:
         """The KV is in the reader (after a prefill or a move): the request now runs there alone."""
@@ -244,7 +246,8 @@ class Router:
         blocks back: make sure that word comes, even for an attempt the router has forgotten."""
         state = self.by_key.get(msg.key)
         if state is not None and not state.finished:
-            self.fail(state, f"no KV arrived in its seat within {self.pool.spec_defaults['seat_timeout']:g} s")
+            self.fail(state, f"no KV arrived in its seat within {self.pool.spec_defaults['seat_timeout']:g} s",
+                      status=503, code="kv_handoff_timeout")  # fmt: skip
         elif self.pool.workers[msg.writer].alive:
             self.pool.send(msg.writer, m.Abort(msg.key, reader=msg.worker_id))
         else:
@@ -271,7 +274,7 @@ class Router:
         self.seats.on_worker_change(msg.worker_id)
 
     def _end(self, state: RequestState, finish_reason: str | None = None, error: str | None = None,
-             text: str = "", num_tokens: int = 0) -> None:  # fmt: skip
+             text: str = "", num_tokens: int = 0, error_status: int = 500, error_code: str | None = None) -> None:  # fmt: skip
         if state.finished:
             return
         state.finished = True
@@ -286,7 +289,7 @@ class Router:
         self.advisor.on_finished(timeline)
         while len(self.finished) > KEPT_TIMELINES:
             self.finished.popitem(last=False)
-        state.deltas.put_nowait(Delta(text, num_tokens, state.finish_reason, error))
+        state.deltas.put_nowait(Delta(text, num_tokens, state.finish_reason, error, error_status, error_code))
 
     # ---- worker deaths -------------------------------------------------------------------------
     def on_worker_lost(self, worker_id: int, cause: str) -> None:
@@ -323,7 +326,8 @@ class Router:
         state.early.clear()  # tokens of the old attempt that were waiting for their turn
         state.gap_since = None
         if len(state.redos) >= self.limits.max_redos:
-            self.fail(state, f"{cause}; the request was redone {len(state.redos)} times already")
+            self.fail(state, f"{cause}; the request was redone {len(state.redos)} times already", status=503,
+                      code="too_many_redos")  # fmt: skip
             return
         state.redos.append({"time": time.time(), "cause": cause, "tokens_done": len(state.output_token_ids)})
         self.metrics.redos.labels(self.metrics.model).inc()
@@ -338,12 +342,13 @@ class Router:
             p = state.placement
             if now > state.deadline:
                 self.fail(state, f"the request did not finish within {self.limits.request_timeout:g} s "
-                                 "(--request-timeout)")  # fmt: skip
+                                 "(--request-timeout)", status=503, code="request_timeout")  # fmt: skip
             elif p is not None and p.first_token_at and now - p.first_token_at > lease:
                 if p.key in self.mover.pending:
                     self.redo(state, f"its move did not finish within {lease:g} s")
                 else:
-                    self.fail(state, f"the KV handoff did not finish within {lease:g} s")
+                    self.fail(state, f"the KV handoff did not finish within {lease:g} s (--kv-transfer-timeout)",
+                              status=503, code="kv_handoff_timeout")  # fmt: skip
             elif state.gap_since is not None and now - state.gap_since > gap:
                 self.redo(state, f"output tokens from index {len(state.output_token_ids)} were lost on their way "
                                  f"from a worker (later ones waited for them over {gap:g} s)")  # fmt: skip
@@ -377,4 +382,4 @@ class Router:
         while self.requests and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for state in list(self.requests.values()):
-            self.fail(state, "the server is shutting down")
+            self.fail(state, "the server is shutting down", status=503, code="shutting_down")

@@ -221,3 +221,7 @@ class RequestError:
     key: str
     worker_id: int
     message: str
+    code: str | None = None  # KV_HANDOFF_FAILED: the KV did not cross (a state a retry may pass, not a fault)
+
+
+KV_HANDOFF_FAILED = "kv_handoff_failed"

@@ -344,7 +344,7 @@ class Worker:
             self.send(m.Event(arrival.key, self.id, "transfer_end", time.time(),
                               {"bytes": meta.num_bytes, "seconds": arrival.seconds, "tokens": len(meta.token_ids)}))  # fmt: skip
         elif arrival.error and not arrival.cancelled:  # a writer that cancels says why itself
-            self.send(m.RequestError(arrival.key, self.id, arrival.error))
+            self.send(m.RequestError(arrival.key, self.id, arrival.error, m.KV_HANDOFF_FAILED))
         self.send_stats()
 
     def _seat_released(self, key: str, stage: Stage) -> None:
@@ -363,7 +363,8 @@ class Worker:
             self.engine.release_handoff(key)
             if h is not None:
                 self.outgoing.end(key, Stage.FAILED)
-            self.send(m.RequestError(key, self.id, "the prefill finished but there is no decode seat for it"))
+            self.send(m.RequestError(key, self.id, "the prefill finished but there is no decode seat for it",
+                                     m.KV_HANDOFF_FAILED))  # fmt: skip
             return
         try:
             meta, kv = self.engine.handoff_meta(key), self.engine.handoff_kv(key)
@@ -395,7 +396,7 @@ class Worker:
                 self.outgoing.end(key, Stage.FAILED if error else Stage.RELEASED)
             self.send(m.Event(key, self.id, "kv_sent", time.time(), {"outcome": outcome, "error": error}))
             if error and h is not None and not h.aborted:
-                self.send(m.RequestError(key, self.id, error))
+                self.send(m.RequestError(key, self.id, error, m.KV_HANDOFF_FAILED))
         if sent:
             self.send_stats()
 
