@@ -18,6 +18,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None  # per token, when asked: {token id: logprob}, the sampled one and the best
 
 
 @dataclass(slots=True)
@@ -90,7 +91,7 @@ class LLM:
             for ids, p in zip(token_lists, params):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p)
-                results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None)])
+                results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None, None if p.logprobs is None else [])])
                 streams[rid] = TextStream(self.tokenizer, p.stop) if self.tokenizer else None
         except ValueError:
             for rid in results:  # one bad prompt: none of this call's requests stay behind
@@ -101,6 +102,8 @@ class LLM:
             for out in self.engine.step():
                 comp = results[out.request_id].outputs[0]
                 comp.token_ids += out.new_token_ids
+                if out.logprobs:
+                    comp.logprobs += [{**dict(top), t: lp} for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
                 stream = streams[out.request_id]
                 if stream is not None:
                     comp.text += stream.push(out.new_token_ids, final=out.finished)

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -13,6 +15,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # the sampled token's log probability and this many best others (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -29,6 +32,8 @@ class SamplingParams:
             self.top_k = -1
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 

@@ -16,6 +16,7 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from minipd.sampling_params import SamplingParams
 from minipd.server.app import Api
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.metrics import Metrics
@@ -209,6 +210,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     # stream_options without a stream were ignored; OpenAI and vLLM refuse them (defect)
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+    ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"logprobs": "2"}, "logprobs"),
     ({"stop": ""}, "stop"),  # as vLLM: "" was read as no stop string, while [""] was refused (defect)
     # an unknown or mistyped stream option was ignored (defect)
     ({"stream": True, "stream_options": {"include_usage": True, "usage_every_chunk": True}}, "stream_options"),
@@ -642,7 +645,8 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(optio
     opts = stream_options({"stream": True, "stream_options": options})
     assert isinstance(opts, StreamOptions) and opts.stream
     async with api_client() as client:
-        state = SimpleNamespace(request_id="chatcmpl-1", prompt_token_ids=[1, 2, 3], deltas=asyncio.Queue())
+        state = SimpleNamespace(request_id="chatcmpl-1", prompt_token_ids=[1, 2, 3], deltas=asyncio.Queue(),
+                                params=SamplingParams())  # fmt: skip
         for delta in (Delta("a", 1), Delta("b", 1, "length")):
             state.deltas.put_nowait(delta)
         sent = []
@@ -679,3 +683,81 @@ async def test_a_message_without_content_is_refused_unless_it_is_the_assistants(
     assert refused.value.param == "messages" and "content" in str(refused.value)
     for assistant in ({"role": "assistant"}, {"role": "assistant", "content": None}):
         assert chat_messages({"messages": [assistant]}, MAX_MODEL_LEN, 16) == [{"role": "assistant", "content": ""}]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"logprobs": 2}, "logprobs"),  # chat's logprobs is a boolean
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # as OpenAI and vLLM: only with logprobs true
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+])  # fmt: skip
+async def test_chat_logprobs_are_a_boolean_and_top_logprobs_need_them(tokenizer, extra, param):
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **extra})
+        err = await error_of(resp)
+        assert resp.status == 400 and err["param"] == param, err
+
+
+async def test_logprobs_asked_for_reach_the_sampling_params():
+    from minipd.server.protocol import sampling_params
+
+    def asked(body, chat):
+        return sampling_params(body, 16, MAX_MODEL_LEN, 4, "messages" if chat else "prompt", chat=chat).logprobs
+
+    assert asked({}, False) is None and asked({"logprobs": 0}, False) == 0 and asked({"logprobs": 5}, False) == 5
+    assert asked({"logprobs": None}, False) is None
+    assert asked({"logprobs": False}, True) is None and asked({"logprobs": True}, True) == 0
+    assert asked({"logprobs": True, "top_logprobs": 4}, True) == 4 and asked({"top_logprobs": 0}, True) is None
+
+
+def _deltas_with_logprobs(tokenizer):
+    """Three tokens; the second one's text held back (as half a character would be)."""
+    from minipd.server.request_state import Delta
+
+    a, b, c = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Hello", " big", " world"))
+    return [Delta("Hello", 1, logprobs=[[a, -0.5, [[a, -0.5], [b, -1.5]]]]),
+            Delta("", 1, logprobs=[[b, float("-inf"), [[a, -0.1], [c, -2.0]]]]),
+            Delta(" big world", 1, "length", logprobs=[[c, -0.25, [[c, -0.25], [a, -3.0]]]])]  # fmt: skip
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_logprobs_come_in_openais_shapes_streamed_or_not(tokenizer, chat):
+    from minipd.server.protocol import StreamOptions, chat_chunk, completion_chunk
+
+    async with api_client(tokenizer) as client:
+        api = client.api
+
+        def state():
+            s = SimpleNamespace(request_id="r", prompt_token_ids=[1], deltas=asyncio.Queue(),
+                                params=SamplingParams(logprobs=2))  # fmt: skip
+            for d in _deltas_with_logprobs(tokenizer):
+                s.deltas.put_nowait(d)
+            return s
+
+        whole = json.loads((await api._collect(state(), chat)).text)["choices"][0]["logprobs"]
+        sent = []
+
+        async def send(obj):
+            sent.append(obj)
+
+        def chunk(delta, finish_reason):
+            return (chat_chunk if chat else completion_chunk)("r", "m", 0, delta, finish_reason)
+
+        await api._stream_deltas(state(), send, chunk, chat, StreamOptions(stream=True))
+    streamed = [c["choices"][0]["logprobs"] for c in sent[:-1] if c["choices"][0]["logprobs"]]
+    assert len(streamed) == 2  # the held-back token's logprobs go with the next text, none is lost
+    if chat:
+        content = whole["content"]
+        assert [x["token"] for x in content] == ["Hello", " big", " world"]
+        assert [x["logprob"] for x in content] == [-0.5, -9999.0, -0.25]  # -inf is not JSON
+        assert content[0]["bytes"] == list(b"Hello") and len(content[1]["top_logprobs"]) == 2
+        assert content[1]["top_logprobs"][0] == {"token": "Hello", "logprob": -0.1, "bytes": list(b"Hello")}
+        assert [x for s in streamed for x in s["content"]] == content
+    else:
+        assert whole["tokens"] == ["Hello", " big", " world"] and whole["text_offset"] == [0, 5, 9]
+        assert whole["token_logprobs"] == [-0.5, -9999.0, -0.25]
+        assert whole["top_logprobs"][1] == {"Hello": -0.1, " world": -2.0, " big": -9999.0}  # with the sampled one
+        joined = {k: [x for s in streamed for x in s[k]] for k in whole}
+        assert joined == whole  # offsets run on across the chunks

@@ -130,3 +130,47 @@ def test_int8_weights_are_close_and_opt_in(tiny_model):
     assert got.dtype == torch.float32 and not torch.equal(got, want)
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     assert all(m.int8 is None for m in tiny_model.modules() if isinstance(m, Linear))  # float32 stays the default
+
+
+def _run_with_logprobs(engine, prompts_, params):
+    """Like run_staggered, all at once: each prompt's tokens and their logprobs entries."""
+    for i, p in enumerate(prompts_):
+        engine.add_request(str(i), p, params[i] if isinstance(params, list) else params)
+    tokens, lps = {str(i): [] for i in range(len(prompts_))}, {str(i): [] for i in range(len(prompts_))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            lps[out.request_id] += out.logprobs or [None] * len(out.new_token_ids)
+    return [tokens[str(i)] for i in range(len(prompts_))], [lps[str(i)] for i in range(len(prompts_))]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_each_tokens_logprobs_equal_those_of_a_fresh_prefill_of_the_text_before_it(tiny_model, temperature):
+    """The logprobs a decode step reports are the model's own: the same as a prefill of the prompt
+    and the tokens so far reports for its next token, and independent of the sampling settings."""
+    params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, ignore_eos=True, logprobs=3)
+    ps = prompts(3, seed=4)
+    outs, lps = _run_with_logprobs(make_engine(tiny_model, policy="chunked", chunk_tokens=16), ps, params)
+    for prompt, out, lp in zip(ps, outs, lps):
+        assert len(lp) == len(out) == 6
+        for i, (token, (chosen, top)) in enumerate(zip(out, lp)):
+            assert len(top) == 3 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            assert all(v <= 0 for _, v in top) and chosen <= top[0][1] + 1e-6
+            if temperature == 0:
+                assert top[0][0] == token and chosen == pytest.approx(top[0][1], abs=1e-6)
+            once = SamplingParams(max_tokens=1, temperature=0.0, logprobs=3)
+            _, [[(fresh_chosen, fresh_top)]] = _run_with_logprobs(make_engine(tiny_model), [prompt + out[:i]], once)
+            assert [t for t, _ in fresh_top] == [t for t, _ in top]
+            assert [v for _, v in fresh_top] == pytest.approx([v for _, v in top], abs=1e-4)
+            if token in dict(top):
+                assert chosen == pytest.approx(dict(top)[token], abs=1e-6)
+
+
+def test_only_the_requests_that_ask_get_logprobs_and_zero_means_the_sampled_token_alone(tiny_model):
+    ps = prompts(3, seed=5)
+    params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=n) for n in (None, 0, 2)]
+    outs, lps = _run_with_logprobs(make_engine(tiny_model), ps, params)
+    assert lps[0] == [None] * 3
+    assert all(top == [] and chosen <= 0 for chosen, top in lps[1]) and all(len(top) == 2 for _, top in lps[2])
+    with pytest.raises(ValueError):
+        SamplingParams(logprobs=21)

@@ -66,3 +66,24 @@ def test_cli_says_what_is_wrong_with_a_bad_model_path():
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 2 and "neither a .gguf file nor a folder" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_logprobs_are_the_models_own_as_transformers_computes_them(llm):
+    """Each output token's logprobs equal the log-softmax of transformers' float32 logits at its position."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minipd.models.files import resolve
+
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0.7, seed=1, logprobs=3))[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == len(comp.token_ids) == 6
+    hf = AutoModelForCausalLM.from_pretrained(resolve(None), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([out.prompt_token_ids + comp.token_ids[:-1]])).logits[0, len(out.prompt_token_ids) - 1 :]
+    want = torch.log_softmax(logits.float(), dim=-1)
+    for row, token, got in zip(want, comp.token_ids, comp.logprobs):
+        best = row.topk(3)
+        assert token in got and set(best.indices.tolist()) <= set(got) and len(got) <= 4
+        for t, v in got.items():
+            assert v == pytest.approx(row[t].item(), abs=1e-4)

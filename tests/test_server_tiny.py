@@ -63,7 +63,8 @@ def test_modes_give_the_same_tokens_and_disagg_moves_the_prompts_kv(server):
     prompts = [[5 + i, 17, 300 + i, 42] * (i + 1) for i in range(4)]
     texts = {}
     for mode in ("colocated", "chunked", "disagg", "colocated"):
-        status, got = server.post("/admin/mode", {"mode": mode, "chunk_tokens": 3})
+        chunks = {} if mode == "colocated" else {"chunk_tokens": 3}  # colocated refuses a setting it has not
+        status, got = server.post("/admin/mode", {"mode": mode, **chunks})
         assert status == 200 and got["mode"] == mode
         outs = [completion(server, p, max_tokens=6, ignore_eos=True) for p in prompts]
         texts.setdefault(mode, [o["choices"][0]["text"] for o in outs])
@@ -306,6 +307,35 @@ def test_a_handoff_past_its_lease_fails_the_request_and_frees_both_sides():
         assert err["error"]["code"] in ("kv_handoff_timeout", "kv_handoff_failed")  # the router or the writer sees it first
         wait_for_idle_workers(s, timeout=10)  # the slow sender finishes its 5 KB, then lets go of the blocks
         assert s.get("/health")[0] == 200
+
+
+@pytest.mark.asyncio
+async def test_logprobs_through_the_openai_client_are_the_same_whichever_worker_samples(server):
+    """In disagg the first token is sampled by the prefill worker and the rest by the decode worker:
+    each token's logprobs arrive with it, in OpenAI's shapes, as in colocated (to float rounding)."""
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+    got = {}
+    try:
+        for mode in ("colocated", "disagg"):
+            assert server.post("/admin/mode", {"mode": mode})[0] == 200
+            done = await client.completions.create(model="tiny-random", prompt=[5, 17, 300, 42] * 3, max_tokens=5,
+                                                   temperature=0, logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+            chat = await client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=4, temperature=0, logprobs=True, top_logprobs=3,
+                                                        stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            content = [x async for c in chat if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+            got[mode] = (done.choices[0].logprobs, content, done.choices[0].text)
+    finally:
+        server.post("/admin/mode", {"mode": "colocated"})
+        await client.close()
+    for mode, (lp, content, text) in got.items():
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5 and "".join(lp.tokens) == text
+        assert all(len(top) in (2, 3) and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+        assert len(content) == 4 and all(len(x.top_logprobs) == 3 and x.top_logprobs[0].token == x.token for x in content)
+    (a, ca, _), (b, cb, _) = got["colocated"], got["disagg"]
+    assert a.tokens == b.tokens and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    assert [x.token for x in ca] == [x.token for x in cb]
+    assert [x.logprob for x in ca] == pytest.approx([x.logprob for x in cb], abs=1e-4)
 
 
 def test_fields_real_clients_send_are_accepted(server):

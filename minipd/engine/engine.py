@@ -24,6 +24,7 @@ class StepOutput:
     finish_reason: str | None = None
     handoff: bool = False  # a token made by a request that hands off: its KV is ready to go
     index: int = 0  # how many output tokens the request had before these
+    logprobs: list | None = None  # per new token, when the request asked: sampler.logprobs's entry
 
 
 @dataclass(slots=True)
@@ -108,7 +109,7 @@ class Engine:
         if self.on_prefill_step is not None and shape.prefilling:
             self.on_prefill_step(wall, shape.prefill_tokens, shape.decodes, shape.prefilling)
         try:
-            sampled = self.runner.run(batch)
+            sampled, sampled_logprobs = self.runner.run(batch)
         except Exception as err:
             ids = [s.request_id for s in batch.seqs]
             for rid in ids:
@@ -119,8 +120,9 @@ class Engine:
         self.scheduler.postprocess(batch, sampled)
         outputs = [
             StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,
-                       handoff=seq.status is SequenceStatus.HANDOFF, index=seq.num_output_tokens - 1)
-            for seq, token in zip(batch.seqs, sampled) if token is not None
+                       handoff=seq.status is SequenceStatus.HANDOFF, index=seq.num_output_tokens - 1,
+                       logprobs=[sampled_logprobs[i]] if sampled_logprobs and sampled_logprobs[i] else None)
+            for i, (seq, token) in enumerate(zip(batch.seqs, sampled)) if token is not None
         ]  # fmt: skip
         stats.scheduled = len(batch.seqs)
         stats.duration = time.perf_counter() - started

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from minipd.engine.sampler import sample
+from minipd.engine.sampler import logprobs, sample
 from minipd.engine.scheduler import ScheduledBatch
 from minipd.models import cpu_kernels
 from minipd.models.attention import AttentionMetadata, PrefillSpan
@@ -34,7 +34,9 @@ class ModelRunner:
         use_cpu_kernels(model, prepack=prepack)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int | None]:
+    def run(self, batch: ScheduledBatch) -> tuple[list[int | None], list[list | None] | None]:
+        """Each seq's sampled token (None: it read prompt tokens only), and each one's logprobs
+        (sampler.logprobs; None for all when no seq asked for them)."""
         decodes = [self._is_decode(batch, i) for i in range(len(batch.seqs))]
         order = sorted(range(len(batch.seqs)), key=lambda i: not decodes[i])
         seqs = [batch.seqs[i] for i in order]
@@ -55,11 +57,19 @@ class ModelRunner:
         up = self.upload
         logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
-        tokens = iter(sample(logits, [p for p, _ in wanted], [i for _, i in wanted])) if wanted else iter(())
+        sampled = sample(logits, [p for p, _ in wanted], [i for _, i in wanted]) if wanted else []
+        asked = [p.logprobs for p, _ in wanted]
+        with_logprobs = any(n is not None for n in asked)
+        rows_logprobs = iter(logprobs(logits, sampled, asked) if with_logprobs else ())
+        tokens = iter(sampled)
         result: list[int | None] = [None] * len(order)
+        result_logprobs: list[list | None] = [None] * len(order)
         for i, wants in zip(order, samples):
-            result[i] = next(tokens) if wants else None
-        return result
+            if wants:
+                result[i] = next(tokens)
+                if with_logprobs:
+                    result_logprobs[i] = next(rows_logprobs)
+        return result, (result_logprobs if with_logprobs else None)
 
     def upload(self, values: list[int]) -> torch.Tensor:
         """A long tensor on the device; on CUDA through pinned memory, without waiting for the copy."""

@@ -43,6 +43,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     return tokens.tolist()
 
 
+def logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[list | None]:
+    """For each row that wants them: [the sampled token's log probability, [[id, log probability]
+    of the `wanted` best tokens, best first]], from the model's own distribution (before temperature,
+    top-k and top-p, as vLLM's default raw logprobs). None for the other rows."""
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    out: list[list | None] = [None] * len(wanted)
+    if not rows:
+        return out
+    dev = logits.device
+    lp = torch.log_softmax(logits.index_select(0, torch.tensor(rows, device=dev)).float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=dev)[:, None]).squeeze(1).tolist()
+    width = max(wanted[i] for i in rows)
+    values, ids = lp.topk(width, dim=-1) if width else (lp[:, :0], lp[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        n = wanted[i]
+        out[i] = [chosen[j], [[t, v] for t, v in zip(ids[j][:n], values[j][:n])]]
+    return out
+
+
 def _keep_top(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's candidates, best first: (their probabilities, 0 where dropped; their vocabulary ids).
     Kept: the top_k best, and of those the smallest set reaching top_p."""

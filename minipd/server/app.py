@@ -22,6 +22,7 @@ from minipd.server.browser_guard import BrowserGuard
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
+from minipd.server.logprobs import LogprobsWriter
 from minipd.server.modes import LINK_SETTINGS, requested_mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
@@ -211,7 +212,7 @@ class Api:
             raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
         opts = p.stream_options(body)
         default = self.default_max_tokens if chat else 16
-        params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64)
+        params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64, chat)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         state = self.router.submit(rid, ids, params)
         try:
@@ -226,11 +227,12 @@ class Api:
                 self.router.abort(rid)  # the client went away: free the blocks everywhere
 
     async def _collect(self, state, chat: bool) -> web.Response:
-        text, n = "", 0
+        text, n, logprobs = "", 0, []
         while True:
             d = await state.deltas.get()
             text += d.text
             n += d.num_tokens
+            logprobs += d.logprobs or []
             if d.error:
                 raise ApiError(d.error, d.error_status, type_="server_error", code=d.error_code)
             if d.finish_reason:
@@ -238,7 +240,14 @@ class Api:
         use = p.usage(len(state.prompt_token_ids), n)
         make = p.chat_response if chat else p.completion_response
         body = make(state.request_id, self.model_name, p.now(), text, d.finish_reason, use)
+        if state.params.logprobs is not None:
+            body["choices"][0]["logprobs"] = LogprobsWriter(self._token_text, chat)(logprobs)
         return web.json_response(body)
+
+    def _token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"  # as vLLM without a tokenizer
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _stream(self, request, state, chat: bool, opts: p.StreamOptions) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -262,10 +271,15 @@ class Api:
 
     async def _stream_deltas(self, state, send, chunk, chat: bool, opts: p.StreamOptions) -> None:
         n = 0
+        write_logprobs = LogprobsWriter(self._token_text, chat) if state.params.logprobs is not None else None
+        logprobs = []  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
 
         async def send_chunk(obj: dict) -> None:
             if opts.continuous_usage:
                 obj["usage"] = p.usage(len(state.prompt_token_ids), n)
+            if write_logprobs is not None and logprobs:
+                obj["choices"][0]["logprobs"] = write_logprobs(logprobs)
+                logprobs.clear()
             await send(obj)
 
         if chat:
@@ -273,6 +287,7 @@ class Api:
         while True:
             d = await state.deltas.get()
             n += d.num_tokens
+            logprobs += d.logprobs or []
             if d.error:
                 await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
                 break

@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from minipd.sampling_params import SamplingParams
+from minipd.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):
@@ -65,7 +65,7 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
 
 
 def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, prompt_len: int,
-                    prompt_param: str = "prompt", vocab_size: int = INT64) -> SamplingParams:  # fmt: skip
+                    prompt_param: str = "prompt", vocab_size: int = INT64, chat: bool = False) -> SamplingParams:  # fmt: skip
     """max_tokens_default: when the client gives no max_tokens (bounded by what the context has left);
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     refuse_unsupported(body)
@@ -73,10 +73,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         value = body.get(name)
         if value is not None and (type(value) is not int or value != 1):  # true == 1 in Python
             raise ApiError(f"'{name}' other than 1 is not supported", param=name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise ApiError("logprobs are not supported", param="logprobs")
-    if _number(body, "top_logprobs", 0, int, low=0, high=20):
-        raise ApiError("logprobs are not supported", param="top_logprobs")
+    logprobs = _logprobs(body, chat)
     if _flag(body, "echo"):
         raise ApiError("'echo' is not supported", param="echo")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -122,8 +119,23 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0),
         top_k=_number(body, "top_k", -1, int, low=-1, high=INT64 - 1),
         seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
-        stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos,
+        stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs,
     )  # fmt: skip
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many best tokens' logprobs each output token reports beside its own (None: no logprobs).
+    Completions: logprobs N. Chat: logprobs true, and top_logprobs N (only with logprobs true)."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise ApiError("'top_logprobs' belongs to chat completions; here 'logprobs': N asks for the N best",
+                           param="top_logprobs")  # fmt: skip
+        return _number(body, "logprobs", None, int, low=0, high=MAX_LOGPROBS)
+    wanted = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", None, int, low=0, high=MAX_LOGPROBS)
+    if top and not wanted:
+        raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,9 @@ class Relay:
             state.gap_since = time.monotonic()
         return ready
 
-    def tokens(self, state: RequestState, msg: m.Tokens) -> tuple[str | None, str]:
-        """Record the tokens and stream their text. Returns (finish reason or None, text still
-        to send): a finished request's last text goes out with its ending."""
+    def tokens(self, state: RequestState, msg: m.Tokens) -> tuple[str | None, str, list | None]:
+        """Record the tokens and stream their text. Returns (finish reason or None, text and
+        logprobs still to send): a finished request's last text goes out with its ending."""
         met, model = self.metrics, self.metrics.model
         if state.token_times:
             met.itl.labels(model).observe(msg.time - state.token_times[-1])
@@ -46,12 +46,13 @@ class Relay:
         state.output_token_ids += msg.token_ids
         met.generation_tokens.labels(model).inc(len(msg.token_ids))
         text = state.stream.push(msg.token_ids, final=msg.finished) if state.stream else ""
+        logprobs = [[t, *entry] for t, entry in zip(msg.token_ids, msg.logprobs)] if msg.logprobs else None
         if state.stream is not None and state.stream.stopped:
-            return "stop", text
+            return "stop", text, logprobs
         if msg.finished:
-            return msg.finish_reason, text
-        state.deltas.put_nowait(Delta(text, len(msg.token_ids)))
-        return None, ""
+            return msg.finish_reason, text, logprobs
+        state.deltas.put_nowait(Delta(text, len(msg.token_ids), logprobs=logprobs))
+        return None, "", None
 
     def event(self, state: RequestState, msg: m.Event) -> None:
         first = msg.kind not in state.events

@@ -18,6 +18,7 @@ class Delta:
     error: str | None = None
     error_status: int = 500  # what the client is told: 500 a fault, 503 a limit or a state a retry may pass
     error_code: str | None = None
+    logprobs: list | None = None  # per token, when the request asked: [id, logprob, [[id, logprob], ...]]
 
 
 @dataclass(slots=True)

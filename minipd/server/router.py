@@ -199,9 +199,9 @@ class Router:
             if p.reader is not None and msg.worker_id == p.worker and p.first_token_at is None:
                 p.first_token_at = time.monotonic()  # the prefill's token: the handoff lease starts
             for tokens in self.relay.in_order(state, msg):
-                reason, text = self.relay.tokens(state, tokens)
+                reason, text, logprobs = self.relay.tokens(state, tokens)
                 if reason is not None:
-                    self._end(state, finish_reason=reason, text=text, num_tokens=len(tokens.token_ids))
+                    self._end(state, finish_reason=reason, text=text, num_tokens=len(tokens.token_ids), logprobs=logprobs)
                     self.release_holders(state, skip=tokens.worker_id if tokens.finished else None)
                     break
         elif isinstance(msg, m.Event):
@@ -274,7 +274,8 @@ class Router:
         self.seats.on_worker_change(msg.worker_id)
 
     def _end(self, state: RequestState, finish_reason: str | None = None, error: str | None = None,
-             text: str = "", num_tokens: int = 0, error_status: int = 500, error_code: str | None = None) -> None:  # fmt: skip
+             text: str = "", num_tokens: int = 0, error_status: int = 500, error_code: str | None = None,
+             logprobs: list | None = None) -> None:  # fmt: skip
         if state.finished:
             return
         state.finished = True
@@ -289,7 +290,7 @@ class Router:
         self.advisor.on_finished(timeline)
         while len(self.finished) > KEPT_TIMELINES:
             self.finished.popitem(last=False)
-        state.deltas.put_nowait(Delta(text, num_tokens, state.finish_reason, error, error_status, error_code))
+        state.deltas.put_nowait(Delta(text, num_tokens, state.finish_reason, error, error_status, error_code, logprobs))
 
     # ---- worker deaths -------------------------------------------------------------------------
     def on_worker_lost(self, worker_id: int, cause: str) -> None:

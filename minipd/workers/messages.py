@@ -118,6 +118,7 @@ class Tokens:
     finish_reason: str | None = None
     index: int = 0  # output tokens of the request before these (a prefill and a decode worker send on
     # different sockets, so the main process may read them out of order)
+    logprobs: list | None = None  # per token, when the request asked: [its logprob, [[id, logprob], ...]]
 
 
 @message
