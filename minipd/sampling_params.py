@@ -3,6 +3,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(slots=True)
@@ -16,6 +17,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # the sampled token's log probability and this many best others (vLLM's)
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the reply holds (OpenAI's)
+    frequency_penalty: float = 0.0  # ... times how often it holds it
+    repetition_penalty: float = 1.0  # a token of the prompt or the reply: logit / this if > 0, else * this (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -34,8 +38,17 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -212,6 +212,9 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     ({"logprobs": 21}, "logprobs"), ({"logprobs": -1}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"logprobs": "2"}, "logprobs"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 11}, "repetition_penalty"),
+    ({"presence_penalty": "1"}, "presence_penalty"),
     ({"stop": ""}, "stop"),  # as vLLM: "" was read as no stop string, while [""] was refused (defect)
     # an unknown or mistyped stream option was ignored (defect)
     ({"stream": True, "stream_options": {"include_usage": True, "usage_every_chunk": True}}, "stream_options"),
@@ -761,3 +764,12 @@ async def test_logprobs_come_in_openais_shapes_streamed_or_not(tokenizer, chat):
         assert whole["top_logprobs"][1] == {"Hello": -0.1, " world": -2.0, " big": -9999.0}  # with the sampled one
         joined = {k: [x for s in streamed for x in s[k]] for k in whole}
         assert joined == whole  # offsets run on across the chunks
+
+
+async def test_penalties_reach_the_sampling_params():
+    from minipd.server.protocol import sampling_params
+
+    got = sampling_params({"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2}, 16,
+                          MAX_MODEL_LEN, 4)  # fmt: skip
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert not sampling_params({"presence_penalty": 0, "repetition_penalty": 1}, 16, MAX_MODEL_LEN, 4).penalized

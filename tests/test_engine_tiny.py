@@ -174,3 +174,64 @@ def test_only_the_requests_that_ask_get_logprobs_and_zero_means_the_sampled_toke
     assert all(top == [] and chosen <= 0 for chosen, top in lps[1]) and all(len(top) == 2 for _, top in lps[2])
     with pytest.raises(ValueError):
         SamplingParams(logprobs=21)
+
+
+def test_penalties_change_the_logits_as_vllm_defines_them():
+    from minipd.engine.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0], [2.0, -1.0, 0.5, 3.0, 1.0]])
+    history = ([0, 1, 2, 2], 2)  # prompt 0, 1; reply 2, 2
+    params = [SamplingParams(repetition_penalty=2.0), SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)]
+    apply_penalties(logits, params, [history, history])
+    assert logits[0].tolist() == [1.0, -2.0, 0.25, 3.0, 1.0]  # prompt and reply tokens, by sign
+    assert logits[1].tolist() == [2.0, -1.0, 0.5 - 2 * 0.5 - 0.25, 3.0, 1.0]  # the reply's tokens only
+    untouched = torch.tensor([[1.0, 2.0]])
+    apply_penalties(untouched, [SamplingParams()], [([0, 1], 1)])
+    assert untouched.tolist() == [[1.0, 2.0]]
+
+
+def test_a_reply_is_sampled_from_its_logits_less_the_penalties_of_its_own_prompt_and_reply(tiny_model, monkeypatch):
+    """What the sampler is given, step by step, is the model's logits with the penalties of this
+    request's prompt and reply so far; the greedy token is the best of those."""
+    import minipd.engine.model_runner as runner_module
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, frequency_penalty=1.5,
+                            presence_penalty=0.5, repetition_penalty=1.7)  # fmt: skip
+    prompt = [7, 7, 300, 12, 7]
+    engine = make_engine(tiny_model)
+    model, raw, given = engine.runner.model, [], []
+
+    def model_then_keep(*args):
+        raw.append(model(*args).clone())
+        return raw[-1]
+
+    def sample_then_keep(scores, ps, index):
+        given.append(scores.clone())
+        return real_sample(scores, ps, index)
+
+    real_sample = runner_module.sample
+    monkeypatch.setattr(engine.runner, "model", model_then_keep)
+    monkeypatch.setattr(runner_module, "sample", sample_then_keep)
+    [out], _ = _run_with_logprobs(engine, [prompt], params)
+    assert len(given) == len(raw) == 8
+    for i, (logits, scores) in enumerate(zip(raw, given)):
+        want = logits[0].clone()
+        reply = out[:i]
+        for t in set(prompt + reply):
+            want[t] = want[t] / 1.7 if want[t] > 0 else want[t] * 1.7
+        for t in set(reply):
+            want[t] -= 1.5 * reply.count(t) + 0.5
+        assert torch.allclose(scores[0], want, atol=1e-6) and out[i] == int(want.argmax())
+
+
+def test_seeded_sampling_with_penalties_is_the_same_batched_alone_and_after_a_handoff(tiny_model):
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=11, ignore_eos=True, presence_penalty=1.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.3)  # fmt: skip
+    ps = prompts(4, seed=7)
+    expected = reference(tiny_model, ps, params)
+    engine = make_engine(tiny_model, policy="chunked", chunk_tokens=8)
+    assert run_staggered(engine, ps, params, join_every=2) == expected
+    prefill, decode = make_engine(tiny_model, role="prefill"), make_engine(tiny_model, role="decode")
+    assert run_disaggregated(prefill, decode, ps, params) == expected
+    with pytest.raises(ValueError):
+        SamplingParams(repetition_penalty=0.0)

@@ -351,6 +351,10 @@ def test_fields_real_clients_send_are_accepted(server):
         "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "seed": 3, "max_completion_tokens": 4,
         "temperature": 0.7, "top_p": 0.9})[1]  # fmt: skip
     assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]  # same seed
+    penalized = server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "max_tokens": 4, "temperature": 0,
+        "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2})  # fmt: skip
+    assert penalized[0] == 200 and penalized[1]["usage"]["completion_tokens"] == 4
 
 
 def test_an_api_key_guards_v1_and_admin_but_not_health_metrics_or_the_page():

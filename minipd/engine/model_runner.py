@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from minipd.engine.sampler import logprobs, sample
+from minipd.engine.sampler import apply_penalties, logprobs, sample
 from minipd.engine.scheduler import ScheduledBatch
 from minipd.models import cpu_kernels
 from minipd.models.attention import AttentionMetadata, PrefillSpan
@@ -57,7 +57,12 @@ class ModelRunner:
         up = self.upload
         logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
-        sampled = sample(logits, [p for p, _ in wanted], [i for _, i in wanted]) if wanted else []
+        scores = logits  # what is sampled from; logprobs come from the model's own logits
+        if any(p.penalized for p, _ in wanted):
+            scores = logits.float().clone()
+            histories = [(s.token_ids, s.num_prompt_tokens) for s, w in zip(seqs, samples) if w]
+            apply_penalties(scores, [p for p, _ in wanted], histories)
+        sampled = sample(scores, [p for p, _ in wanted], [i for _, i in wanted]) if wanted else []
         asked = [p.logprobs for p, _ in wanted]
         with_logprobs = any(n is not None for n in asked)
         rows_logprobs = iter(logprobs(logits, sampled, asked) if with_logprobs else ())

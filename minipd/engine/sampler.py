@@ -43,6 +43,24 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     return tokens.tolist()
 
 
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], int]]) -> None:
+    """In place, as vLLM applies them before temperature: each row's repetition penalty on the tokens
+    of its prompt and reply, then frequency and presence penalties on those of its reply.
+    histories: (the sequence's token ids, how many of them are its prompt)."""
+    vocab = logits.shape[-1]
+    for row, p, (token_ids, num_prompt) in zip(logits, params, histories):
+        if not p.penalized:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(token_ids, device=logits.device).unique()
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        reply = token_ids[num_prompt:]
+        if reply and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(reply, device=logits.device), minlength=vocab).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
 def logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[list | None]:
     """For each row that wants them: [the sampled token's log probability, [[id, log probability]
     of the `wanted` best tokens, best first]], from the model's own distribution (before temperature,

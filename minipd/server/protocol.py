@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from minipd.sampling_params import MAX_LOGPROBS, SamplingParams
+from minipd.sampling_params import MAX_LOGPROBS, MAX_REPETITION_PENALTY, SamplingParams
 
 
 class ApiError(Exception):
@@ -76,11 +76,10 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     logprobs = _logprobs(body, chat)
     if _flag(body, "echo"):
         raise ApiError("'echo' is not supported", param="echo")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0, low=-2.0, high=2.0) != 0.0:
-            raise ApiError(f"'{name}' other than 0 is not supported", param=name)
-    if _number(body, "repetition_penalty", 1.0, low=0.0, high=10.0) != 1.0:
-        raise ApiError("'repetition_penalty' other than 1.0 is not supported", param="repetition_penalty")
+    penalties = {name: _number(body, name, 0.0, low=-2.0, high=2.0) for name in ("presence_penalty", "frequency_penalty")}
+    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY)
+    if penalties["repetition_penalty"] == 0:
+        raise ApiError("'repetition_penalty' must be > 0 (1 is off)", param="repetition_penalty")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     requested = _number(body, field, None, int, low=1)
     context_left = max_model_len - prompt_len
@@ -119,7 +118,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         top_p=_number(body, "top_p", 1.0, low=1e-6, high=1.0),
         top_k=_number(body, "top_k", -1, int, low=-1, high=INT64 - 1),
         seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
-        stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs,
+        stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs, **penalties,
     )  # fmt: skip
 
 
