@@ -27,9 +27,10 @@ class TextStream:
     """Detokenizes one request's output and applies its stop strings. While streaming it holds
     back the few characters that could still become a stop string."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.detokenizer = IncrementalDetokenizer(tokenizer)
         self.stop = stop
+        self.min_tokens, self.num_tokens = min_tokens, 0  # as vLLM: no stop string ends a reply before min_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
@@ -42,7 +43,8 @@ class TextStream:
         delta = self.detokenizer.push(token_ids)
         start = max(0, len(self.text) - self.hold)
         self.text += delta
-        for s in self.stop:
+        self.num_tokens += len(token_ids)
+        for s in self.stop if self.num_tokens > self.min_tokens else ():
             at = self.text.find(s, start)
             if at != -1:
                 self.text = self.text[:at]

@@ -187,7 +187,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"suffix": "x"}, "suffix"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"min_tokens": 5}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),  # as vLLM: no more than max_tokens
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"n": True}, "n"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
@@ -773,3 +774,10 @@ async def test_penalties_reach_the_sampling_params():
                           MAX_MODEL_LEN, 4)  # fmt: skip
     assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.2)
     assert not sampling_params({"presence_penalty": 0, "repetition_penalty": 1}, 16, MAX_MODEL_LEN, 4).penalized
+
+
+async def test_min_tokens_reach_the_sampling_params():
+    from minipd.server.protocol import sampling_params
+
+    assert sampling_params({"min_tokens": 5, "max_tokens": 8}, 16, MAX_MODEL_LEN, 4).min_tokens == 5
+    assert sampling_params({}, 16, MAX_MODEL_LEN, 4).min_tokens == 0

@@ -235,3 +235,20 @@ def test_seeded_sampling_with_penalties_is_the_same_batched_alone_and_after_a_ha
     assert run_disaggregated(prefill, decode, ps, params) == expected
     with pytest.raises(ValueError):
         SamplingParams(repetition_penalty=0.0)
+
+
+def test_min_tokens_holds_back_the_stop_tokens_until_then(tiny_model):
+    """As vLLM: before min_tokens the eos and stop_token_ids cannot be sampled; after, they stop."""
+    ps = prompts(2, seed=8)
+    plain, _ = _run_with_logprobs(make_engine(tiny_model), ps, SamplingParams(max_tokens=12, temperature=0.0))
+    stops = [out[1] for out in plain]  # each reply's second token
+    for prompt, stop in zip(ps, stops):
+        early, _ = _run_with_logprobs(make_engine(tiny_model), [prompt],
+                                      SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop]))  # fmt: skip
+        assert early == [[plain[ps.index(prompt)][0], stop]]
+        held, _ = _run_with_logprobs(make_engine(tiny_model), [prompt],
+                                     SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop], min_tokens=5))  # fmt: skip
+        assert len(held[0]) >= 5 and stop not in held[0][:5]
+        assert held[0][-1] == stop or len(held[0]) == 12
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=3, min_tokens=4)

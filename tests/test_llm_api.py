@@ -87,3 +87,10 @@ def test_logprobs_are_the_models_own_as_transformers_computes_them(llm):
         assert token in got and set(best.indices.tolist()) <= set(got) and len(got) <= 4
         for t, v in got.items():
             assert v == pytest.approx(row[t].item(), abs=1e-4)
+
+
+def test_a_stop_string_within_min_tokens_does_not_stop(tokenizer):
+    ids = tokenizer.encode("one two three four three five", add_special_tokens=False)
+    stream = TextStream(tokenizer, stop=["three"], min_tokens=3)  # "one", " two", " three": within
+    shown = "".join(stream.push([t]) for t in ids)
+    assert stream.stopped and shown == "one two three four "

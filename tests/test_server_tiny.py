@@ -353,7 +353,7 @@ def test_fields_real_clients_send_are_accepted(server):
     assert again["choices"][0]["message"]["content"] == body["choices"][0]["message"]["content"]  # same seed
     penalized = server.post("/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True, "max_tokens": 4, "temperature": 0,
-        "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2})  # fmt: skip
+        "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_tokens": 2})  # fmt: skip
     assert penalized[0] == 200 and penalized[1]["usage"]["completion_tokens"] == 4
 
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from minipd.engine.sampler import apply_penalties, logprobs, sample
+from minipd.engine.sampler import apply_penalties, hold_back_stops, logprobs, sample
 from minipd.engine.scheduler import ScheduledBatch
 from minipd.models import cpu_kernels
 from minipd.models.attention import AttentionMetadata, PrefillSpan
@@ -17,6 +17,7 @@ class ModelRunner:
         cfg = model.config
         self.model = model
         self.block_size = block_size
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         # (K/V, layer, slot, kv_head, head_dim); slot = block * block_size + offset
@@ -58,10 +59,11 @@ class ModelRunner:
         logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
         scores = logits  # what is sampled from; logprobs come from the model's own logits
-        if any(p.penalized for p, _ in wanted):
+        if any(p.penalized or i < p.min_tokens for p, i in wanted):
             scores = logits.float().clone()
             histories = [(s.token_ids, s.num_prompt_tokens) for s, w in zip(seqs, samples) if w]
             apply_penalties(scores, [p for p, _ in wanted], histories)
+            hold_back_stops(scores, [p for p, _ in wanted], [i for _, i in wanted], self.eos_token_ids)
         sampled = sample(scores, [p for p, _ in wanted], [i for _, i in wanted]) if wanted else []
         asked = [p.logprobs for p, _ in wanted]
         with_logprobs = any(n is not None for n in asked)

@@ -8,6 +8,7 @@ preemption or a handoff, on CPU or CUDA. An unseeded request gets a random seed 
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -59,6 +60,16 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], historie
         if reply and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(torch.tensor(reply, device=logits.device), minlength=vocab).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def hold_back_stops(logits: torch.Tensor, params: list[SamplingParams], output_index: list[int],
+                    eos_token_ids: tuple[int, ...]) -> None:  # fmt: skip
+    """In place: a row still short of its min_tokens cannot sample its eos or stop token ids."""
+    for row, p, index in zip(logits, params, output_index):
+        if index < p.min_tokens:
+            banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
+            if banned:
+                row[torch.tensor(banned, device=logits.device)] = -math.inf
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int], wanted: list[int | None]) -> list[list | None]:

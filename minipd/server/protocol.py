@@ -25,14 +25,14 @@ MAX_STOP_TOKEN_IDS = 256
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
 UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "prompt_logprobs", "min_p",
-               "min_tokens", "use_beam_search", "guided_json", "guided_regex", "guided_choice",
+               "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
                "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
                "continue_final_message", "documents", "mm_processor_kwargs")  # fmt: skip
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,)}
 
 
-NEUTRAL_NUMBERS = ("min_p", "min_tokens")  # 0 means "off" for these alone
+NEUTRAL_NUMBERS = ("min_p",)  # 0 means "off" for these alone
 
 
 def refuse_unsupported(body: dict) -> None:
@@ -112,6 +112,10 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {vocab_size})", param="stop_token_ids")
     ignore_eos = _flag(body, "ignore_eos")
+    min_tokens = _number(body, "min_tokens", 0, int, low=0)
+    if min_tokens > max_tokens:
+        raise ApiError(f"'min_tokens' ({min_tokens}) must not exceed the reply's most tokens ({max_tokens})",
+                       param="min_tokens")  # fmt: skip
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
@@ -119,6 +123,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         top_k=_number(body, "top_k", -1, int, low=-1, high=INT64 - 1),
         seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs, **penalties,
+        min_tokens=min_tokens,
     )  # fmt: skip
 
 
