@@ -20,6 +20,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token the reply holds (OpenAI's)
     frequency_penalty: float = 0.0  # ... times how often it holds it
     repetition_penalty: float = 1.0  # a token of the prompt or the reply: logit / this if > 0, else * this (vLLM's)
+    min_p: float = 0.0  # after temperature, tokens less likely than this times the best one are not drawn (vLLM's)
     min_tokens: int = 0  # before this many tokens, eos and stop_token_ids are not sampled and stop strings not looked for
 
     def __post_init__(self) -> None:
@@ -44,6 +45,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if any(not s for s in self.stop):

@@ -189,6 +189,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),  # as vLLM: no more than max_tokens
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "0.1"}, "min_p"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"n": True}, "n"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
@@ -781,3 +782,4 @@ async def test_min_tokens_reach_the_sampling_params():
 
     assert sampling_params({"min_tokens": 5, "max_tokens": 8}, 16, MAX_MODEL_LEN, 4).min_tokens == 5
     assert sampling_params({}, 16, MAX_MODEL_LEN, 4).min_tokens == 0
+    assert sampling_params({"min_p": 0.05}, 16, MAX_MODEL_LEN, 4).min_p == 0.05

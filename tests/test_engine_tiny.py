@@ -106,6 +106,17 @@ def test_sampler_top_p_keeps_only_the_nucleus():
     assert seen == {0, 1}
 
 
+def test_sampler_min_p_drops_tokens_far_below_the_best():
+    """As vLLM: after temperature, a token less likely than min_p times the best one is not drawn."""
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]]))
+    seen = {sample(logits, [SamplingParams(temperature=1.0, min_p=0.5, seed=s)], [0])[0] for s in range(300)}
+    assert seen == {0, 1}  # 0.15 < 0.5 * 0.4
+    seen = {sample(logits, [SamplingParams(temperature=1.0, min_p=0.3, top_k=3, seed=s)], [0])[0] for s in range(300)}
+    assert seen == {0, 1, 2}
+    with pytest.raises(ValueError):
+        SamplingParams(min_p=1.5)
+
+
 def test_llm_with_one_bad_prompt_leaves_nothing_behind():
     from minipd import LLM
 

@@ -31,6 +31,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     sub = [params[i] for i in sampled_rows]
     temperature = torch.tensor([p.temperature for p in sub], device=dev)
     probs = torch.softmax(logits.index_select(0, rows) / temperature[:, None], dim=-1)
+    if any(p.min_p > 0 for p in sub):
+        floor = torch.tensor([p.min_p for p in sub], device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs * (probs >= floor)
     ids = None  # the vocabulary ids of probs' columns, when only candidates are kept
     top_k, top_p = [p.top_k for p in sub], [p.top_p for p in sub]
     if any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p):

@@ -24,7 +24,7 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
-UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "prompt_logprobs", "min_p",
+UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "prompt_logprobs",
                "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
                "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
@@ -32,14 +32,11 @@ UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "p
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,)}
 
 
-NEUTRAL_NUMBERS = ("min_p",)  # 0 means "off" for these alone
-
-
 def refuse_unsupported(body: dict) -> None:
     for name in UNSUPPORTED:
         value = body.get(name)
         off = value is None or (not value and isinstance(value, (bool, str, list, dict)))
-        if not off and not (name in NEUTRAL_NUMBERS and value == 0 and not isinstance(value, bool)):
+        if not off:
             raise ApiError(f"'{name}' is not supported by this server", param=name)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
@@ -123,7 +120,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         top_k=_number(body, "top_k", -1, int, low=-1, high=INT64 - 1),
         seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs, **penalties,
-        min_tokens=min_tokens,
+        min_tokens=min_tokens, min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
     )  # fmt: skip
 
 
