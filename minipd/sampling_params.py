@@ -20,6 +20,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token the reply holds (OpenAI's)
     frequency_penalty: float = 0.0  # ... times how often it holds it
     repetition_penalty: float = 1.0  # a token of the prompt or the reply: logit / this if > 0, else * this (vLLM's)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     min_p: float = 0.0  # after temperature, tokens less likely than this times the best one are not drawn (vLLM's)
     min_tokens: int = 0  # before this many tokens, eos and stop_token_ids are not sampled and stop strings not looked for
 
@@ -45,6 +46,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            if any(not -100 <= b <= 100 for b in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -55,6 +60,11 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether what is sampled from differs from the model's logits (at least before min_tokens)."""
+        return bool(self.logit_bias) or self.penalized or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

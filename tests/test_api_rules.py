@@ -183,7 +183,10 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"seed": 2**70}, "seed"),
     ({"top_k": 2**70}, "top_k"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"x": 10}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"9" * 5000: 1}}, "logit_bias"), ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
     ({"suffix": "x"}, "suffix"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
@@ -783,3 +786,4 @@ async def test_min_tokens_reach_the_sampling_params():
     assert sampling_params({"min_tokens": 5, "max_tokens": 8}, 16, MAX_MODEL_LEN, 4).min_tokens == 5
     assert sampling_params({}, 16, MAX_MODEL_LEN, 4).min_tokens == 0
     assert sampling_params({"min_p": 0.05}, 16, MAX_MODEL_LEN, 4).min_p == 0.05
+    assert sampling_params({"logit_bias": {"5": -100, "7": 2.5}}, 16, MAX_MODEL_LEN, 4).logit_bias == {5: -100, 7: 2.5}

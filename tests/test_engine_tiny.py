@@ -117,6 +117,20 @@ def test_sampler_min_p_drops_tokens_far_below_the_best():
         SamplingParams(min_p=1.5)
 
 
+def test_logit_bias_moves_a_tokens_chances_as_openai_defines_it(tiny_model):
+    ps = prompts(2, seed=9)
+    plain, _ = _run_with_logprobs(make_engine(tiny_model), ps, SamplingParams(max_tokens=4, temperature=0.0))
+    favourite, banned = 1234, plain[0][0]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logit_bias={favourite: 100.0})
+    forced, lps = _run_with_logprobs(make_engine(tiny_model), ps, SamplingParams(**{**params.to_dict(), "logprobs": 1}))
+    assert forced == [[favourite] * 4] * 2 and all(top[0][0] != favourite for _, top in lps[0])  # logprobs: the model's
+    without, _ = _run_with_logprobs(make_engine(tiny_model), ps[:1],
+                                    SamplingParams(max_tokens=4, temperature=0.0, logit_bias={banned: -100}))  # fmt: skip
+    assert without[0][0] != banned
+    with pytest.raises(ValueError):
+        SamplingParams(logit_bias={5: 101})
+
+
 def test_llm_with_one_bad_prompt_leaves_nothing_behind():
     from minipd import LLM
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from minipd.engine.sampler import apply_penalties, hold_back_stops, logprobs, sample
+from minipd.engine.sampler import apply_logit_bias, apply_penalties, hold_back_stops, logprobs, sample
 from minipd.engine.scheduler import ScheduledBatch
 from minipd.models import cpu_kernels
 from minipd.models.attention import AttentionMetadata, PrefillSpan
@@ -59,8 +59,9 @@ class ModelRunner:
         logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
         scores = logits  # what is sampled from; logprobs come from the model's own logits
-        if any(p.penalized or i < p.min_tokens for p, i in wanted):
+        if any(p.changes_logits for p, _ in wanted):
             scores = logits.float().clone()
+            apply_logit_bias(scores, [p for p, _ in wanted])
             histories = [(s.token_ids, s.num_prompt_tokens) for s, w in zip(seqs, samples) if w]
             apply_penalties(scores, [p for p, _ in wanted], histories)
             hold_back_stops(scores, [p for p, _ in wanted], [i for _, i in wanted], self.eos_token_ids)

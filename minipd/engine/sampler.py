@@ -47,6 +47,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], output_index: lis
     return tokens.tolist()
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits."""
+    for row, p in zip(logits, params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            row.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=row.dtype))
+
+
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], histories: list[tuple[list[int], int]]) -> None:
     """In place, as vLLM applies them before temperature: each row's repetition penalty on the tokens
     of its prompt and reply, then frequency and presence penalties on those of its reply.

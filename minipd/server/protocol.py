@@ -22,9 +22,10 @@ class ApiError(Exception):
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
-UNSUPPORTED = ("logit_bias", "suffix", "tools", "functions", "function_call", "prompt_logprobs",
+UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "prompt_logprobs",
                "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
                "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
@@ -121,7 +122,25 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs, **penalties,
         min_tokens=min_tokens, min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
+        logit_bias=_logit_bias(body, vocab_size),
     )  # fmt: skip
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's map of token ids (as strings) to a bias in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to numbers", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 19 and int(key) < vocab_size):
+            raise ApiError(f"'logit_bias' keys must be token ids in [0, {vocab_size})", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError("'logit_bias' values must be numbers in [-100, 100]", param="logit_bias")
+        out[int(key)] = value
+    return out or None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
