@@ -199,7 +199,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
     ({"continue_final_message": True}, "continue_final_message"),
     ({"add_generation_prompt": False}, "add_generation_prompt"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"), ({"n": 65}, "n"), ({"n": 2.0}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
+    ({"best_of": 2}, "best_of"),
     ({"prompt": [1] * 5000}, "prompt"),
     ({"prompt": [1] * 100_000 + ["x"]}, "prompt"),
     # wrong types that happen to be falsy were taken as "not set" (defect)
@@ -662,10 +663,10 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(optio
         async def send(obj):
             sent.append(obj)
 
-        def chunk(delta, finish_reason):
+        def chunk(delta, finish_reason, index=0):
             return chat_chunk("chatcmpl-1", "tiny", 0, delta, finish_reason)
 
-        await client.api._stream_deltas(state, send, chunk, True, opts)
+        await client.api._stream_deltas([state], send, chunk, True, opts)
     assert sent[-1] == b"[DONE]"
     got = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) if c.get("usage") else None for c in sent[:-1]]
     assert got == usages
@@ -744,16 +745,16 @@ async def test_logprobs_come_in_openais_shapes_streamed_or_not(tokenizer, chat):
                 s.deltas.put_nowait(d)
             return s
 
-        whole = json.loads((await api._collect(state(), chat)).text)["choices"][0]["logprobs"]
+        whole = json.loads((await api._collect("r", [state()], chat)).text)["choices"][0]["logprobs"]
         sent = []
 
         async def send(obj):
             sent.append(obj)
 
-        def chunk(delta, finish_reason):
+        def chunk(delta, finish_reason, index=0):
             return (chat_chunk if chat else completion_chunk)("r", "m", 0, delta, finish_reason)
 
-        await api._stream_deltas(state(), send, chunk, chat, StreamOptions(stream=True))
+        await api._stream_deltas([state()], send, chunk, chat, StreamOptions(stream=True))
     streamed = [c["choices"][0]["logprobs"] for c in sent[:-1] if c["choices"][0]["logprobs"]]
     assert len(streamed) == 2  # the held-back token's logprobs go with the next text, none is lost
     if chat:

@@ -204,7 +204,7 @@ async def test_a_kv_handoff_past_its_lease_ends_as_a_503_timeout_not_a_500():
     state.deltas.put_nowait(delta)
     api = Api(router, "m", 64)
     with pytest.raises(Exception) as failed:
-        await api._collect(state, chat=False)
+        await api._collect("r", [state], chat=False)
     body = failed.value.body()["error"]
     assert failed.value.status == 503 and body["code"] == "kv_handoff_timeout" and body["type"] == "server_error"
 

@@ -40,7 +40,7 @@ def test_models_and_health(server):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
@@ -141,9 +141,10 @@ async def test_openai_client_streams_with_usage(server):
 
 
 @pytest.mark.asyncio
-async def test_client_disconnect_frees_the_blocks(server):
+@pytest.mark.parametrize("choices", [1, 3])
+async def test_client_disconnect_frees_the_blocks(server, choices):
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
-    stream = await client.completions.create(model="tiny-random", prompt="long one", stream=True,
+    stream = await client.completions.create(model="tiny-random", prompt="long one", stream=True, n=choices,
                                              max_tokens=3000, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
     n = 0
     async for _ in stream:
@@ -336,6 +337,36 @@ async def test_logprobs_through_the_openai_client_are_the_same_whichever_worker_
     assert a.tokens == b.tokens and a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
     assert [x.token for x in ca] == [x.token for x in cb]
     assert [x.logprob for x in ca] == pytest.approx([x.logprob for x in cb], abs=1e-4)
+
+
+@pytest.mark.asyncio
+async def test_n_choices_are_separate_replies_seeded_one_after_another_streamed_or_not(server):
+    """As vLLM: choice i of a request with a seed is the reply that seed + i gives alone."""
+    prompt, kw = [9, 8, 7, 6, 5], {"max_tokens": 6, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    alone = [completion(server, prompt, seed=40 + i, max_tokens=6, temperature=1.0, ignore_eos=True)["choices"][0]["text"]
+             for i in range(3)]  # fmt: skip
+    body = completion(server, prompt, seed=40, n=3, max_tokens=6, temperature=1.0, ignore_eos=True)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2] and [c["text"] for c in body["choices"]] == alone
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 18, "total_tokens": 23}
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+    try:
+        stream = await client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
+                                                      n=2, seed=5, stream=True, stream_options={"include_usage": True},
+                                                      logprobs=True, **kw)  # fmt: skip
+        texts, ends, lps, usage = ["", ""], [None, None], [0, 0], None
+        async for chunk in stream:
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                ends[c.index] = c.finish_reason or ends[c.index]
+                lps[c.index] += len(c.logprobs.content) if c.logprobs else 0
+            usage = chunk.usage or usage
+        whole = await client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "hi"}],
+                                                     n=2, seed=5, **kw)  # fmt: skip
+    finally:
+        await client.close()
+    assert texts == [c.message.content for c in whole.choices] and texts[0] != texts[1]
+    assert ends == ["length", "length"] and lps == [6, 6] and usage.completion_tokens == 12
+    wait_for_idle_workers(server, 10)
 
 
 def test_fields_real_clients_send_are_accepted(server):

@@ -11,6 +11,7 @@ import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from pathlib import Path
 
 from aiohttp import web
@@ -19,6 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
+from minipd.server.choices import choice_params, deltas_of
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
@@ -213,35 +215,42 @@ class Api:
         opts = p.stream_options(body)
         default = self.default_max_tokens if chat else 16
         params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64, chat)
+        num = p.num_choices(body)
         rid = p.new_id("chatcmpl" if chat else "cmpl")
-        state = self.router.submit(rid, ids, params)
+        states = []
         try:
+            for i in range(num):  # every choice a request of its own; the first keeps the reply's id
+                states.append(self.router.submit(rid if num == 1 else f"{rid}-{i}", ids, choice_params(params, i)))
             if opts.stream:
-                return await self._stream(request, state, chat, opts)
-            return await self._collect(state, chat)
+                return await self._stream(request, rid, states, chat, opts)
+            return await self._collect(rid, states, chat)
         except (asyncio.CancelledError, ConnectionResetError):
             log.debug("client went away; request %s aborted", rid)
             raise
         finally:
-            if not state.finished:
-                self.router.abort(rid)  # the client went away: free the blocks everywhere
+            for state in states:
+                if not state.finished:
+                    self.router.abort(state.request_id)  # the client went away (or a choice failed): free the blocks
 
-    async def _collect(self, state, chat: bool) -> web.Response:
-        text, n, logprobs = "", 0, []
-        while True:
-            d = await state.deltas.get()
-            text += d.text
-            n += d.num_tokens
-            logprobs += d.logprobs or []
-            if d.error:
-                raise ApiError(d.error, d.error_status, type_="server_error", code=d.error_code)
-            if d.finish_reason:
-                break
-        use = p.usage(len(state.prompt_token_ids), n)
+    async def _collect(self, rid: str, states: list, chat: bool) -> web.Response:
+        texts, counts, ends = [""] * len(states), [0] * len(states), [None] * len(states)
+        logprobs = [[] for _ in states]
+        async with aclosing(deltas_of(states)) as deltas:
+            async for i, d in deltas:
+                texts[i] += d.text
+                counts[i] += d.num_tokens
+                logprobs[i] += d.logprobs or []
+                if d.error:
+                    raise ApiError(d.error, d.error_status, type_="server_error", code=d.error_code)
+                ends[i] = d.finish_reason or ends[i]
+        use = p.usage(len(states[0].prompt_token_ids), sum(counts))
         make = p.chat_response if chat else p.completion_response
-        body = make(state.request_id, self.model_name, p.now(), text, d.finish_reason, use)
-        if state.params.logprobs is not None:
-            body["choices"][0]["logprobs"] = LogprobsWriter(self._token_text, chat)(logprobs)
+        body = make(rid, self.model_name, p.now(), texts[0], ends[0], use)
+        body["choices"] = [make(rid, self.model_name, 0, text, end, use)["choices"][0] | {"index": i}
+                           for i, (text, end) in enumerate(zip(texts, ends))]  # fmt: skip
+        if states[0].params.logprobs is not None:
+            for choice, entries in zip(body["choices"], logprobs):
+                choice["logprobs"] = LogprobsWriter(self._token_text, chat)(entries)
         return web.json_response(body)
 
     def _token_text(self, token_id: int) -> str:
@@ -249,7 +258,7 @@ class Api:
             return f"token_id:{token_id}"  # as vLLM without a tokenizer
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _stream(self, request, state, chat: bool, opts: p.StreamOptions) -> web.StreamResponse:
+    async def _stream(self, request, rid: str, states: list, chat: bool, opts: p.StreamOptions) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created = p.now()
 
@@ -257,50 +266,52 @@ class Api:
             data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
             await resp.write(b"data: " + data + b"\n\n")
 
-        def chunk(delta, finish_reason):
+        def chunk(delta, finish_reason, index: int = 0):
             make = p.chat_chunk if chat else p.completion_chunk
-            return make(state.request_id, self.model_name, created, delta, finish_reason)
+            obj = make(rid, self.model_name, created, delta, finish_reason)
+            obj["choices"][0]["index"] = index
+            return obj
 
         try:
             await resp.prepare(request)
-            await self._stream_deltas(state, send, chunk, chat, opts)
+            await self._stream_deltas(states, send, chunk, chat, opts)
             await resp.write_eof()
         except ConnectionResetError:  # the client went away mid-stream; _serve frees the request
-            log.debug("client of %s went away", state.request_id)
+            log.debug("client of %s went away", rid)
         return resp
 
-    async def _stream_deltas(self, state, send, chunk, chat: bool, opts: p.StreamOptions) -> None:
-        n = 0
-        write_logprobs = LogprobsWriter(self._token_text, chat) if state.params.logprobs is not None else None
-        logprobs = []  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
+    async def _stream_deltas(self, states: list, send, chunk, chat: bool, opts: p.StreamOptions) -> None:
+        counts = [0] * len(states)
+        writers = [LogprobsWriter(self._token_text, chat) if s.params.logprobs is not None else None for s in states]
+        logprobs = [[] for _ in states]  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
 
-        async def send_chunk(obj: dict) -> None:
+        async def send_chunk(obj: dict, index: int) -> None:
             if opts.continuous_usage:
-                obj["usage"] = p.usage(len(state.prompt_token_ids), n)
-            if write_logprobs is not None and logprobs:
-                obj["choices"][0]["logprobs"] = write_logprobs(logprobs)
-                logprobs.clear()
+                obj["usage"] = p.usage(len(states[0].prompt_token_ids), sum(counts))
+            if writers[index] is not None and logprobs[index]:
+                obj["choices"][0]["logprobs"] = writers[index](logprobs[index])
+                logprobs[index].clear()
             await send(obj)
 
         if chat:
-            await send_chunk(chunk({"role": "assistant", "content": ""}, None))
-        while True:
-            d = await state.deltas.get()
-            n += d.num_tokens
-            logprobs += d.logprobs or []
-            if d.error:
-                await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
-                break
-            if d.text or d.finish_reason:
-                text = {"content": d.text} if chat else d.text
-                await send_chunk(chunk(text if d.text or not chat else {}, d.finish_reason))
-            if d.finish_reason:
-                break
+            for i in range(len(states)):
+                await send_chunk(chunk({"role": "assistant", "content": ""}, None, i), i)
+        async with aclosing(deltas_of(states)) as deltas:
+            async for i, d in deltas:
+                counts[i] += d.num_tokens
+                logprobs[i] += d.logprobs or []
+                if d.error:
+                    await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
+                    break
+                if d.text or d.finish_reason:
+                    text = {"content": d.text} if chat else d.text
+                    await send_chunk(chunk(text if d.text or not chat else {}, d.finish_reason, i), i)
         if opts.include_usage:
             obj = chunk({}, None)
             obj["choices"] = []
-            obj["usage"] = p.usage(len(state.prompt_token_ids), n)
-            obj["timeline"] = self.router.timeline(state.request_id)
+            obj["usage"] = p.usage(len(states[0].prompt_token_ids), sum(counts))
+            timelines = [self.router.timeline(s.request_id) for s in states]
+            obj.update({"timeline": timelines[0]} if len(states) == 1 else {"timelines": timelines})
             await send(obj)
         await send(b"[DONE]")
 

@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+MAX_CHOICES = 64
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
 UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "prompt_logprobs",
@@ -67,10 +68,6 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     """max_tokens_default: when the client gives no max_tokens (bounded by what the context has left);
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     refuse_unsupported(body)
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if value is not None and (type(value) is not int or value != 1):  # true == 1 in Python
-            raise ApiError(f"'{name}' other than 1 is not supported", param=name)
     logprobs = _logprobs(body, chat)
     if _flag(body, "echo"):
         raise ApiError("'echo' is not supported", param="echo")
@@ -141,6 +138,18 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
             raise ApiError("'logit_bias' values must be numbers in [-100, 100]", param="logit_bias")
         out[int(key)] = value
     return out or None
+
+
+def num_choices(body: dict) -> int:
+    """n: how many replies to the one prompt (best_of, if given, must be n: none is dropped here)."""
+    n = body.get("n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):  # true == 1 in Python
+        raise ApiError(f"'n' must be an integer between 1 and {MAX_CHOICES}", param="n")
+    n = n or 1
+    best_of = body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != n):
+        raise ApiError("'best_of' other than n is not supported (every reply is returned)", param="best_of")
+    return n
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

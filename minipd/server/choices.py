@@ -1,0 +1,47 @@
+"""The replies of one request (OpenAI's n choices): each is a request of its own to the router;
+their deltas are read here as one sequence, in the order they come."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+
+from minipd.sampling_params import SamplingParams
+from minipd.server.request_state import Delta, RequestState
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice i of a seeded request draws with seed + i, as vLLM's child requests do."""
+    if index == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+async def deltas_of(states: list[RequestState]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) until every choice has ended (an error ends its choice too)."""
+    if len(states) == 1:
+        while True:
+            d = await states[0].deltas.get()
+            yield 0, d
+            if d.finish_reason or d.error:
+                return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(index: int, state: RequestState) -> None:
+        while True:
+            d = await state.deltas.get()
+            merged.put_nowait((index, d))
+            if d.finish_reason or d.error:
+                return
+
+    tasks = [asyncio.ensure_future(forward(i, s)) for i, s in enumerate(states)]
+    try:
+        left = len(states)
+        while left:
+            index, d = await merged.get()
+            yield index, d
+            left -= bool(d.finish_reason or d.error)
+    finally:
+        for task in tasks:
+            task.cancel()
