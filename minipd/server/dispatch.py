@@ -113,7 +113,8 @@ class Dispatcher:
                       if w.role == role and (w.state in ("starting", "restarting") or w.draining and w.alive)]  # fmt: skip
             if not coming:
                 causes = "; ".join(w.exit_cause for w in r.pool.workers if w.role == role and w.exit_cause)
-                r.fail(state, f"no {role} worker is alive" + (f" ({causes})" if causes else ""), status=503,
+                which = "" if role == "both" else f"{role} "
+                r.fail(state, f"no {which}worker is alive" + (f" ({causes})" if causes else ""), status=503,
                        code="no_worker")  # fmt: skip
                 return None
             r.workers_changed.clear()

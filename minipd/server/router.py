@@ -327,8 +327,8 @@ class Router:
         state.early.clear()  # tokens of the old attempt that were waiting for their turn
         state.gap_since = None
         if len(state.redos) >= self.limits.max_redos:
-            self.fail(state, f"{cause}; the request was redone {len(state.redos)} times already", status=503,
-                      code="too_many_redos")  # fmt: skip
+            # a fault, not a limit: mostly a request whose every attempt lost its worker (it may be what kills them)
+            self.fail(state, f"{cause}; the request was redone {len(state.redos)} times already", code="too_many_redos")
             return
         state.redos.append({"time": time.time(), "cause": cause, "tokens_done": len(state.output_token_ids)})
         self.metrics.redos.labels(self.metrics.model).inc()
