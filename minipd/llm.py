@@ -26,6 +26,7 @@ class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # when asked: per prompt token (the first None)
 
     @property
     def text(self) -> str:
@@ -102,6 +103,9 @@ class LLM:
             for out in self.engine.step():
                 comp = results[out.request_id].outputs[0]
                 comp.token_ids += out.new_token_ids
+                if out.prompt_logprobs:
+                    results[out.request_id].prompt_logprobs = [
+                        None if e is None else {**dict(e[3]), e[0]: e[1]} for e in out.prompt_logprobs]  # fmt: skip
                 if out.logprobs:
                     comp.logprobs += [{**dict(top), t: lp} for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
                 stream = streams[out.request_id]

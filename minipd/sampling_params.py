@@ -17,6 +17,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # the sampled token's log probability and this many best others (vLLM's)
+    prompt_logprobs: int | None = None  # ... and the same for each prompt token after the first
     presence_penalty: float = 0.0  # subtracted from the logit of every token the reply holds (OpenAI's)
     frequency_penalty: float = 0.0  # ... times how often it holds it
     repetition_penalty: float = 1.0  # a token of the prompt or the reply: logit / this if > 0, else * this (vLLM's)
@@ -39,8 +40,10 @@ class SamplingParams:
             self.top_k = -1
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not (isinstance(n, int) and 0 <= n <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

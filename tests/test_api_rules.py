@@ -192,6 +192,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"),  # as vLLM: no more than max_tokens
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ({"echo": "yes"}, "echo"),
     ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "0.1"}, "min_p"),
     ({"use_beam_search": True}, "use_beam_search"),
     ({"n": True}, "n"),
@@ -701,6 +703,7 @@ async def test_a_message_without_content_is_refused_unless_it_is_the_assistants(
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
+    ({"echo": True}, "echo"),  # a field of completions
 ])  # fmt: skip
 async def test_chat_logprobs_are_a_boolean_and_top_logprobs_need_them(tokenizer, extra, param):
     async with api_client(tokenizer) as client:

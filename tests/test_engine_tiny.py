@@ -277,3 +277,24 @@ def test_min_tokens_holds_back_the_stop_tokens_until_then(tiny_model):
         assert held[0][-1] == stop or len(held[0]) == 12
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+@pytest.mark.parametrize("policy,chunk", [("prefill_first", 512), ("chunked", 5)])
+def test_prompt_logprobs_score_each_prompt_token_as_a_prefill_of_the_text_before_it_would(tiny_model, policy, chunk):
+    prompt = prompts(1, seed=10)[0][:20]
+    engine = make_engine(tiny_model, policy=policy, chunk_tokens=chunk)
+    engine.add_request("p", prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3))
+    firsts = []
+    while engine.has_unfinished():
+        firsts += [out.prompt_logprobs for out in engine.step() if out.prompt_logprobs is not None]
+    [entries] = firsts  # with the first token only
+    assert len(entries) == len(prompt) and entries[0] is None
+    for i in range(1, len(prompt)):
+        token, logprob, rank, top = entries[i]
+        _, [[(chosen, fresh_top)]] = _run_with_logprobs(make_engine(tiny_model), [prompt[:i]],
+                                                        SamplingParams(max_tokens=1, temperature=0.0, logprobs=3))  # fmt: skip
+        assert token == prompt[i] and [t for t, _ in top] == [t for t, _ in fresh_top]
+        assert [v for _, v in top] == pytest.approx([v for _, v in fresh_top], abs=1e-4)
+        assert rank >= 1 and (rank <= 3) == (token in [t for t, _ in top])
+        if token in dict(top):
+            assert logprob == pytest.approx(dict(top)[token], abs=1e-6) and [t for t, _ in top].index(token) + 1 == rank

@@ -94,3 +94,21 @@ def test_a_stop_string_within_min_tokens_does_not_stop(tokenizer):
     stream = TextStream(tokenizer, stop=["three"], min_tokens=3)  # "one", " two", " three": within
     shown = "".join(stream.push([t]) for t in ids)
     assert stream.stopped and shown == "one two three four "
+
+
+def test_prompt_logprobs_are_the_models_own_as_transformers_computes_them(llm):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minipd.models.files import resolve
+
+    out = llm.generate(["The capital of France is Paris, and"], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    ids = out.prompt_token_ids
+    assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(resolve(None), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for pos in range(1, len(ids)):
+        got, row = out.prompt_logprobs[pos], want[pos - 1]
+        assert ids[pos] in got and set(row.topk(2).indices.tolist()) <= set(got)
+        assert all(v == pytest.approx(row[t].item(), abs=1e-4) for t, v in got.items())

@@ -2,6 +2,7 @@
 
 import asyncio
 import glob
+import json
 import signal
 import time
 
@@ -367,6 +368,39 @@ async def test_n_choices_are_separate_replies_seeded_one_after_another_streamed_
     assert texts == [c.message.content for c in whole.choices] and texts[0] != texts[1]
     assert ends == ["length", "length"] and lps == [6, 6] and usage.completion_tokens == 12
     wait_for_idle_workers(server, 10)
+
+
+@pytest.mark.asyncio
+async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks_streamed_or_not_in_every_mode(server):
+    """lm-eval's loglikelihood request: echo, logprobs, max_tokens 1. The prompt's tokens come first
+    (the first without a logprob), the same whichever worker prefilled it and whether streamed."""
+    prompt = [5, 17, 300, 42, 8, 99]
+    kw = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    got = {}
+    try:
+        for mode in ("colocated", "disagg"):
+            assert server.post("/admin/mode", {"mode": mode})[0] == 200
+            body = completion(server, **{k: v for k, v in kw.items() if k != "temperature"})
+            status, raw = await asyncio.to_thread(http, "POST", server.url + "/v1/completions", {**kw, "stream": True})
+            got[mode] = body["choices"][0], raw
+    finally:
+        server.post("/admin/mode", {"mode": "colocated"})
+    plain = completion(server, prompt, max_tokens=1)["choices"][0]["text"]
+    for mode, (choice, raw) in got.items():
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])
+        assert choice["text"] == "".join(lp["tokens"]) and choice["text"].endswith(plain)
+        assert len(choice["prompt_logprobs"]) == len(prompt) and choice["prompt_logprobs"][0] is None
+        assert all(str(t) in row for t, row in zip(prompt[1:], choice["prompt_logprobs"][1:]))
+        chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+        parts = [c["choices"][0] for c in chunks]
+        assert "".join(c["text"] for c in parts) == choice["text"]
+        merged = {k: [x for c in parts if c["logprobs"] for x in c["logprobs"][k]] for k in lp}
+        assert merged["tokens"] == lp["tokens"] and merged["text_offset"] == lp["text_offset"]
+        assert merged["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+    a, b = got["colocated"][0]["logprobs"], got["disagg"][0]["logprobs"]
+    assert a["tokens"] == b["tokens"] and a["token_logprobs"][1:] == pytest.approx(b["token_logprobs"][1:], abs=1e-4)
 
 
 def test_fields_real_clients_send_are_accepted(server):

@@ -10,6 +10,9 @@ from minipd.models.linear import use_cpu_kernels
 from minipd.models.llama import LlamaForCausalLM
 
 
+PROMPT_SLICE = 256  # prompt rows whose vocabulary logits are held at once (256 x 49152 floats: 48 MiB)
+
+
 class ModelRunner:
     """Owns the weights and the paged KV cache; turns a scheduled batch into sampled tokens."""
 
@@ -46,8 +49,13 @@ class ModelRunner:
         samples = [samples[i] for i in order]
 
         input_ids, positions, slots, logits_rows = [], [], [], []
+        prompt_rows, prompt_targets = [], []  # rows that score the next prompt token: (seq, its position)
         for seq, n, wants in zip(seqs, counts, samples):
             start = seq.num_computed_tokens
+            if seq.params.prompt_logprobs is not None:
+                for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                    prompt_rows.append(len(input_ids) + pos - start)
+                    prompt_targets.append((seq, pos + 1))
             input_ids += seq.token_ids[start : start + n]
             pos = range(start, start + n)
             positions += pos
@@ -56,7 +64,11 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
         meta = self._metadata(seqs, counts, slots, num_decodes=sum(decodes))
         up = self.upload
-        logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
+        if prompt_rows:
+            logits, hidden = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows), up(prompt_rows))
+            self._prompt_logprobs(hidden, prompt_targets)
+        else:
+            logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
         scores = logits  # what is sampled from; logprobs come from the model's own logits
         if any(p.changes_logits for p, _ in wanted):
@@ -78,6 +90,25 @@ class ModelRunner:
                 if with_logprobs:
                     result_logprobs[i] = next(rows_logprobs)
         return result, (result_logprobs if with_logprobs else None)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list) -> None:
+        """Each prompt token's logprob, rank and best others, from the hidden states before it: the
+        vocabulary's logits for PROMPT_SLICE rows at a time (a whole prompt's would be too large)."""
+        for at in range(0, len(targets), PROMPT_SLICE):
+            part = targets[at : at + PROMPT_SLICE]
+            lp = torch.log_softmax(self.model.lm_head.forward(hidden[at : at + PROMPT_SLICE]).float(), dim=-1)
+            ids = torch.tensor([seq.token_ids[pos] for seq, pos in part], device=lp.device)
+            chosen = lp.gather(1, ids[:, None])
+            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+            width = max(seq.params.prompt_logprobs for seq, _ in part)
+            values, best = lp.topk(width, dim=-1) if width else (lp[:, :0], lp[:, :0].long())
+            values, best, chosen = values.tolist(), best.tolist(), chosen.squeeze(1).tolist()
+            for j, (seq, pos) in enumerate(part):
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = [None] * seq.num_prompt_tokens
+                n = seq.params.prompt_logprobs
+                top = [[t, v] for t, v in zip(best[j][:n], values[j][:n])]
+                seq.prompt_logprobs[pos] = [seq.token_ids[pos], chosen[j], ranks[j], top]
 
     def upload(self, values: list[int]) -> torch.Tensor:
         """A long tensor on the device; on CUDA through pinned memory, without waiting for the copy."""

@@ -27,6 +27,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     hand_off: bool | None = None  # its KV goes to another worker once its next token is sampled (None: the role says)
+    prompt_logprobs: list | None = None  # params.prompt_logprobs: per prompt position, [id, logprob, rank, top] (first None)
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:

@@ -112,7 +112,8 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,  # (2, layers, slots, Hkv, D)
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,  # (S,) rows whose next-token logits are wanted
-    ) -> torch.Tensor:  # (S, vocab)
+        hidden_rows: torch.Tensor | None = None,  # (H,) rows whose final hidden states are wanted too
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # (S, vocab), and (H, hidden) if asked
         x = self.embed_tokens.forward(input_ids)
         rope = self.rope.table(positions, x.dtype)
         T = x.shape[0]
@@ -124,7 +125,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             for i, layer in enumerate(self.layers):
                 x = layer.forward(x, rope, kv_cache[0, i], kv_cache[1, i], meta)
-        return self.lm_head.forward(self.norm.forward(x[logits_rows]))
+        logits = self.lm_head.forward(self.norm.forward(x[logits_rows]))
+        if hidden_rows is None:
+            return logits
+        return logits, self.norm.forward(x[hidden_rows])  # the caller applies lm_head a slice at a time
 
     def plan_decode_layers(self) -> None:
         """Turn the one-call decode on where each step of every layer runs a kernel of minipd's

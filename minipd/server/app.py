@@ -24,7 +24,7 @@ from minipd.server.choices import choice_params, deltas_of
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
-from minipd.server.logprobs import LogprobsWriter
+from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
 from minipd.server.modes import LINK_SETTINGS, requested_mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
@@ -183,10 +183,11 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         prompt = p.completion_prompt(body, self.max_model_len, self.max_token_chars)
+        text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             tokenizer = self._tokenizer()
             prompt = await self._off_loop(len(prompt), tokenizer.encode, prompt)
-        return await self._serve(request, body, prompt, chat=False)
+        return await self._serve(request, body, prompt, chat=False, prompt_text=text)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -201,7 +202,7 @@ class Api:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, fn, *args)
 
-    async def _serve(self, request, body, ids: list[int], chat: bool) -> web.StreamResponse:
+    async def _serve(self, request, body, ids: list[int], chat: bool, prompt_text: str | None = None) -> web.StreamResponse:
         model = body.get("model")
         if model not in (None, self.model_name):
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
@@ -216,14 +217,17 @@ class Api:
         default = self.default_max_tokens if chat else 16
         params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64, chat)
         num = p.num_choices(body)
+        echo = None  # completions' echo: the prompt's text, as given (or its tokens decoded)
+        if body.get("echo"):
+            echo = prompt_text if prompt_text is not None else self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         states = []
         try:
             for i in range(num):  # every choice a request of its own; the first keeps the reply's id
                 states.append(self.router.submit(rid if num == 1 else f"{rid}-{i}", ids, choice_params(params, i)))
             if opts.stream:
-                return await self._stream(request, rid, states, chat, opts)
-            return await self._collect(rid, states, chat)
+                return await self._stream(request, rid, states, chat, opts, echo)
+            return await self._collect(rid, states, chat, echo)
         except (asyncio.CancelledError, ConnectionResetError):
             log.debug("client went away; request %s aborted", rid)
             raise
@@ -232,7 +236,7 @@ class Api:
                 if not state.finished:
                     self.router.abort(state.request_id)  # the client went away (or a choice failed): free the blocks
 
-    async def _collect(self, rid: str, states: list, chat: bool) -> web.Response:
+    async def _collect(self, rid: str, states: list, chat: bool, echo: str | None = None) -> web.Response:
         texts, counts, ends = [""] * len(states), [0] * len(states), [None] * len(states)
         logprobs = [[] for _ in states]
         async with aclosing(deltas_of(states)) as deltas:
@@ -248,9 +252,20 @@ class Api:
         body = make(rid, self.model_name, p.now(), texts[0], ends[0], use)
         body["choices"] = [make(rid, self.model_name, 0, text, end, use)["choices"][0] | {"index": i}
                            for i, (text, end) in enumerate(zip(texts, ends))]  # fmt: skip
-        if states[0].params.logprobs is not None:
-            for choice, entries in zip(body["choices"], logprobs):
-                choice["logprobs"] = LogprobsWriter(self._token_text, chat)(entries)
+        params = states[0].params
+        for choice, entries, state in zip(body["choices"], logprobs, states):
+            writer = LogprobsWriter(self._token_text, chat)
+            head = writer.echoed(state.prompt_token_ids, state.prompt_logprobs) if echo is not None and params.logprobs is not None else None
+            if params.logprobs is not None:
+                choice["logprobs"] = writer(entries)
+                if head is not None:
+                    choice["logprobs"] = {k: head[k] + v for k, v in choice["logprobs"].items()}
+            if echo is not None:
+                choice["text"] = echo + choice["text"]
+            if params.prompt_logprobs is not None and not chat:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_logprobs or [], self._token_text)
+        if params.prompt_logprobs is not None and chat:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs or [], self._token_text)
         return web.json_response(body)
 
     def _token_text(self, token_id: int) -> str:
@@ -258,7 +273,8 @@ class Api:
             return f"token_id:{token_id}"  # as vLLM without a tokenizer
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _stream(self, request, rid: str, states: list, chat: bool, opts: p.StreamOptions) -> web.StreamResponse:
+    async def _stream(self, request, rid: str, states: list, chat: bool, opts: p.StreamOptions,
+                      echo: str | None = None) -> web.StreamResponse:  # fmt: skip
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created = p.now()
 
@@ -274,13 +290,14 @@ class Api:
 
         try:
             await resp.prepare(request)
-            await self._stream_deltas(states, send, chunk, chat, opts)
+            await self._stream_deltas(states, send, chunk, chat, opts, echo)
             await resp.write_eof()
         except ConnectionResetError:  # the client went away mid-stream; _serve frees the request
             log.debug("client of %s went away", rid)
         return resp
 
-    async def _stream_deltas(self, states: list, send, chunk, chat: bool, opts: p.StreamOptions) -> None:
+    async def _stream_deltas(self, states: list, send, chunk, chat: bool, opts: p.StreamOptions,
+                             echo: str | None = None) -> None:  # fmt: skip
         counts = [0] * len(states)
         writers = [LogprobsWriter(self._token_text, chat) if s.params.logprobs is not None else None for s in states]
         logprobs = [[] for _ in states]  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
@@ -296,8 +313,12 @@ class Api:
         if chat:
             for i in range(len(states)):
                 await send_chunk(chunk({"role": "assistant", "content": ""}, None, i), i)
+        started = [False] * len(states)
         async with aclosing(deltas_of(states)) as deltas:
             async for i, d in deltas:
+                if not started[i] and not d.error:  # the prompt's part comes first: known once its first token is
+                    started[i] = True
+                    await self._stream_prompt(states[i], i, send, chunk, chat, echo, writers[i])
                 counts[i] += d.num_tokens
                 logprobs[i] += d.logprobs or []
                 if d.error:
@@ -314,6 +335,19 @@ class Api:
             obj.update({"timeline": timelines[0]} if len(states) == 1 else {"timelines": timelines})
             await send(obj)
         await send(b"[DONE]")
+
+    async def _stream_prompt(self, state, index: int, send, chunk, chat: bool, echo: str | None, writer) -> None:
+        """Completions' echo (the prompt's text, and its tokens' logprobs), and prompt_logprobs if asked."""
+        params = state.params
+        if echo is None and params.prompt_logprobs is None:
+            return
+        obj = chunk(echo or ("" if not chat else {}), None, index)
+        if echo is not None and writer is not None:
+            obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_logprobs or [])
+        if params.prompt_logprobs is not None:
+            where = obj if chat else obj["choices"][0]
+            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_logprobs or [], self._token_text)
+        await send(obj)
 
     # ---- the rest ----------------------------------------------------------------------
     def _model_card(self) -> dict:

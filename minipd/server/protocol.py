@@ -26,7 +26,7 @@ MAX_LOGIT_BIAS = 1024
 MAX_CHOICES = 64
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
-UNSUPPORTED = ("suffix", "tools", "functions", "function_call", "prompt_logprobs",
+UNSUPPORTED = ("suffix", "tools", "functions", "function_call",
                "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
                "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
@@ -69,8 +69,11 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     refuse_unsupported(body)
     logprobs = _logprobs(body, chat)
-    if _flag(body, "echo"):
-        raise ApiError("'echo' is not supported", param="echo")
+    if _flag(body, "echo") and chat:
+        raise ApiError("'echo' is a field of completions; chat does not take it", param="echo")
+    prompt_logprobs = _number(body, "prompt_logprobs", None, int, low=0, high=MAX_LOGPROBS)
+    if body.get("echo") and logprobs is not None:  # echoed prompt tokens get their logprobs too, as in vLLM
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     penalties = {name: _number(body, name, 0.0, low=-2.0, high=2.0) for name in ("presence_penalty", "frequency_penalty")}
     penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY)
     if penalties["repetition_penalty"] == 0:
@@ -119,7 +122,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         seed=_number(body, "seed", None, int, low=-INT64, high=INT64 - 1),
         stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs, **penalties,
         min_tokens=min_tokens, min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
-        logit_bias=_logit_bias(body, vocab_size),
+        logit_bias=_logit_bias(body, vocab_size), prompt_logprobs=prompt_logprobs,
     )  # fmt: skip
 
 

@@ -47,6 +47,8 @@ class Relay:
         met.generation_tokens.labels(model).inc(len(msg.token_ids))
         text = state.stream.push(msg.token_ids, final=msg.finished) if state.stream else ""
         logprobs = [[t, *entry] for t, entry in zip(msg.token_ids, msg.logprobs)] if msg.logprobs else None
+        if msg.prompt_logprobs is not None and msg.index == 0:
+            state.prompt_logprobs = msg.prompt_logprobs
         if state.stream is not None and state.stream.stopped:
             return "stop", text, logprobs
         if msg.finished:

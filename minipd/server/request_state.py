@@ -49,6 +49,7 @@ class RequestState:
     deadline: float = float("inf")  # time.monotonic() past which it fails
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     output_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # when asked: per prompt token [id, logprob, rank, top] (first None)
     placement: Placement | None = None
     attempt: int = 0
     redos: list[dict] = field(default_factory=list)  # {"time", "cause", "tokens_done"} per redo

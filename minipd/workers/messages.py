@@ -119,6 +119,7 @@ class Tokens:
     index: int = 0  # output tokens of the request before these (a prefill and a decode worker send on
     # different sockets, so the main process may read them out of order)
     logprobs: list | None = None  # per token, when the request asked: [its logprob, [[id, logprob], ...]]
+    prompt_logprobs: list | None = None  # with the first token, when asked: per prompt token [id, logprob, rank, top]
 
 
 @message
