@@ -64,10 +64,9 @@ class SamplingParams:
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-    @property
-    def changes_logits(self) -> bool:
-        """Whether what is sampled from differs from the model's logits (at least before min_tokens)."""
-        return bool(self.logit_bias) or self.penalized or self.min_tokens > 0
+    def changes_logits(self, output_index: int) -> bool:
+        """Whether what output token `output_index` is sampled from differs from the model's logits."""
+        return bool(self.logit_bias) or self.penalized or output_index < self.min_tokens
 
     @property
     def greedy(self) -> bool:

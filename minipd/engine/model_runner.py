@@ -71,7 +71,7 @@ class ModelRunner:
             logits = self.model(up(input_ids), up(positions), self.kv_cache, meta, up(logits_rows))
         wanted = [(s.params, s.num_output_tokens) for s, w in zip(seqs, samples) if w]
         scores = logits  # what is sampled from; logprobs come from the model's own logits
-        if any(p.changes_logits for p, _ in wanted):
+        if any(p.changes_logits(i) for p, i in wanted):  # once past min_tokens, no copy of the logits
             scores = logits.float().clone()
             apply_logit_bias(scores, [p for p, _ in wanted])
             histories = [(s.token_ids, s.num_prompt_tokens) for s, w in zip(seqs, samples) if w]

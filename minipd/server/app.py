@@ -25,7 +25,7 @@ from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded,
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
-from minipd.server.modes import LINK_SETTINGS, requested_mode
+from minipd.server.modes import INTEGER_SETTINGS, LINK_SETTINGS, requested_mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
 
@@ -400,8 +400,7 @@ class Api:
     async def post_mode(self, request) -> web.Response:
         body = await self._body(request)
         cur = self.router.mode
-        unknown = set(body) - {"mode", "prefill_workers", "decode_workers", "chunk_tokens", "workers", "kv_link_gbps",
-                               "kv_link_latency_ms", "local_prefill_tokens", "drain"}  # fmt: skip
+        unknown = set(body) - {"mode", "drain", *INTEGER_SETTINGS, *LINK_SETTINGS}
         if unknown:
             raise InvalidRequest(f"unknown field(s) {sorted(unknown)}; /admin/mode takes mode, chunk_tokens, "
                                  "workers, prefill_workers, decode_workers, kv_link_gbps, kv_link_latency_ms, "
