@@ -403,6 +403,23 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks_streamed_or_
     assert a["tokens"] == b["tokens"] and a["token_logprobs"][1:] == pytest.approx(b["token_logprobs"][1:], abs=1e-4)
 
 
+@pytest.mark.asyncio
+async def test_a_one_token_prompt_echoes_with_logprobs_and_gets_one_null_prompt_logprob(server):
+    """A one-token prompt has no prompt token to score: echo with logprobs is [null] (it was a 500),
+    prompt_logprobs is [null] as vLLM's (it was []), streamed or not."""
+    kw = {"prompt": [42], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1, "prompt_logprobs": 1}
+    choice = completion(server, **kw)["choices"][0]
+    assert choice["logprobs"]["token_logprobs"][0] is None and len(choice["logprobs"]["tokens"]) == 3
+    assert choice["prompt_logprobs"] == [None]
+    status, raw = await asyncio.to_thread(http, "POST", server.url + "/v1/completions", {**kw, "stream": True})
+    parts = [json.loads(line[6:])["choices"][0] for line in raw.split("\n") if line.startswith("data: {")]
+    assert status == 200 and parts[0]["prompt_logprobs"] == [None]
+    assert [t for c in parts if c["logprobs"] for t in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                                "prompt_logprobs": 0})[1]  # fmt: skip
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
 def test_fields_real_clients_send_are_accepted(server):
     status, body = server.post("/v1/chat/completions", {
         "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

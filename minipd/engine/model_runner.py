@@ -53,6 +53,8 @@ class ModelRunner:
         for seq, n, wants in zip(seqs, counts, samples):
             start = seq.num_computed_tokens
             if seq.params.prompt_logprobs is not None:
+                if seq.prompt_logprobs is None:  # a one-token prompt has no row to score: [None]
+                    seq.prompt_logprobs = [None] * seq.num_prompt_tokens
                 for pos in range(start, min(start + n, seq.num_prompt_tokens - 1)):
                     prompt_rows.append(len(input_ids) + pos - start)
                     prompt_targets.append((seq, pos + 1))
@@ -104,8 +106,6 @@ class ModelRunner:
             values, best = lp.topk(width, dim=-1) if width else (lp[:, :0], lp[:, :0].long())
             values, best, chosen = values.tolist(), best.tolist(), chosen.squeeze(1).tolist()
             for j, (seq, pos) in enumerate(part):
-                if seq.prompt_logprobs is None:
-                    seq.prompt_logprobs = [None] * seq.num_prompt_tokens
                 n = seq.params.prompt_logprobs
                 top = [[t, v] for t, v in zip(best[j][:n], values[j][:n])]
                 seq.prompt_logprobs[pos] = [seq.token_ids[pos], chosen[j], ranks[j], top]

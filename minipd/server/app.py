@@ -255,7 +255,7 @@ class Api:
         params = states[0].params
         for choice, entries, state in zip(body["choices"], logprobs, states):
             writer = LogprobsWriter(self._token_text, chat)
-            head = writer.echoed(state.prompt_token_ids, state.prompt_logprobs) if echo is not None and params.logprobs is not None else None
+            head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if echo is not None and params.logprobs is not None else None
             if params.logprobs is not None:
                 choice["logprobs"] = writer(entries)
                 if head is not None:
@@ -263,9 +263,9 @@ class Api:
             if echo is not None:
                 choice["text"] = echo + choice["text"]
             if params.prompt_logprobs is not None and not chat:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_logprobs or [], self._token_text)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
         if params.prompt_logprobs is not None and chat:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_logprobs or [], self._token_text)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), self._token_text)
         return web.json_response(body)
 
     def _token_text(self, token_id: int) -> str:
@@ -343,10 +343,10 @@ class Api:
             return
         obj = chunk(echo or ("" if not chat else {}), None, index)
         if echo is not None and writer is not None:
-            obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_logprobs or [])
+            obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_entries())
         if params.prompt_logprobs is not None:
             where = obj if chat else obj["choices"][0]
-            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_logprobs or [], self._token_text)
+            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
         await send(obj)
 
     # ---- the rest ----------------------------------------------------------------------

@@ -66,6 +66,10 @@ class RequestState:
     early: dict = field(default_factory=dict)  # index -> Tokens that arrived before the ones before them
     gap_since: float | None = None  # time.monotonic() since when `early` waits for the tokens it lacks
 
+    def prompt_entries(self) -> list:
+        """prompt_logprobs as received, or each a None (a reply that ended before its first token)."""
+        return self.prompt_logprobs if self.prompt_logprobs is not None else [None] * len(self.prompt_token_ids)
+
     def new_key(self) -> str:
         self.attempt += 1
         return f"{self.request_id}.{self.attempt}"
