@@ -182,3 +182,79 @@ def test_a_setting_of_another_mode_does_not_come_back_unseen_after_a_switch_thro
 def test_an_emulated_link_shows_in_every_mode_since_moves_cross_it_in_every_mode():
     slow = requested_mode({"mode": "colocated", "kv_link_gbps": 1.0, "kv_link_latency_ms": 2}, Mode())
     assert slow.as_dict() == {"mode": "colocated", "kv_link_gbps": 1.0, "kv_link_latency_ms": 2}
+
+
+@pytest.mark.parametrize("field", ["kv_link_gbps", "kv_link_latency_ms"])
+def test_a_link_setting_sent_as_a_huge_integer_reaches_the_workers_as_a_number_or_is_refused(field):
+    """Defect: kv_link_gbps 2**64 passed every check, then could not be packed for the workers:
+    a 500, and a switch event with no end."""
+    if field == "kv_link_gbps":
+        mode = requested_mode({"mode": "disagg", field: 2**64}, Mode())
+        mode.check(2)
+        assert isinstance(mode.kv_link_gbps, float)
+        m.encode(m.SetMode("prefill", "prefill_first", 512, {}, [mode.kv_link_gbps, mode.kv_link_latency_ms]))
+    for huge in (2**64, 10**400):
+        with pytest.raises(InvalidRequest) as refused:
+            body = {"mode": "disagg", field: huge if field != "kv_link_gbps" else 10**400}
+            requested_mode(body, Mode()).check(2)
+        assert refused.value.param == field
+
+
+class JsonRequest:
+    content_type, charset, headers = "application/json", None, {}
+
+    def __init__(self, body: dict):
+        self.raw = json.dumps(body).encode()
+
+    async def read(self) -> bytes:
+        return self.raw
+
+
+@pytest.mark.asyncio
+async def test_a_switch_asked_for_during_another_is_read_against_the_mode_that_one_leaves():
+    """Defect: a body was resolved against the mode when it arrived, not when it was applied: during
+    a switch to chunked:64, {"mode": "disagg"} (chunk_tokens omitted: kept) was read against
+    colocated, and disagg came with chunk_tokens 512, not the 64 the server then had."""
+    pool = Pool()
+    router = Router(pool, None, Metrics("m"))
+    router.ready = True
+    api = Api(router, "m", 128)
+    first = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "chunked", "chunk_tokens": 64})))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    second = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "disagg"})))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    for _ in range(2):  # the first switch's acks, then the second's
+        sent, pool.sent = pool.sent, []
+        for worker_id, msg in sent:
+            router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+        while not pool.sent and not second.done():
+            await asyncio.sleep(0)
+    await first, await second
+    assert router.mode == Mode("disagg", 1, 1, chunk_tokens=64)
+
+
+@pytest.mark.asyncio
+async def test_a_switch_that_fails_says_so_in_the_event_feed():
+    """Defect: a switch that failed (a worker refused its role, or the roles could not be sent)
+    left its "switch" event without an end, and the page showed it under way for good."""
+    pool = Pool()
+    router = Router(pool, None, Metrics("m"))
+    router.ready = True
+    switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    sent, pool.sent = pool.sent, []
+    router.switcher.on_ack(m.ModeSet(0, sent[0][1].role, sent[0][1].policy, "no room for the role"))
+    router.switcher.on_ack(m.ModeSet(1, sent[1][1].role, sent[1][1].policy))
+    while len(pool.sent) < len(pool.workers):  # the old roles go back
+        await asyncio.sleep(0)
+    for worker_id, msg in pool.sent:
+        router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+    with pytest.raises(Exception, match="no room for the role"):
+        await switch
+    phases = [(e["phase"], e.get("started", e["time"])) for e in router.events.since(0) if e["type"] == "mode"]
+    assert [p for p, _ in phases] == ["switch", "failed"] and phases[0][1] == phases[1][1]
+    failed = [e for e in router.events.since(0) if e.get("phase") == "failed"][0]
+    assert "no room for the role" in failed["error"] and router.mode == Mode() and router.serving.is_set()

@@ -65,6 +65,8 @@ def switches_of(events: list[dict]) -> list[dict]:
             s = next((s for s in reversed(out) if s["serving"] is None and s["time"] <= e["time"]), None)
             if s is not None:
                 s["serving"] = e["time"]
+        elif phase == "failed":  # it did not happen
+            out = [s for s in out if s["time"] != e.get("started")]
         elif phase == "switched":
             s = next((s for s in out if s["time"] == e.get("started")), None)
             if s is None:

@@ -417,9 +417,9 @@ class Api:
         for field in LINK_SETTINGS:
             if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
-        mode.check(len(self.router.pool.workers))
+        mode.check(len(self.router.pool.workers))  # refused now if it is wrong as things stand
         self.router.advisor.enable(False)  # a mode chosen by hand ends `auto`
-        outcome = await self.router.set_mode(mode, drain=drain)
+        outcome = await self.router.set_mode(lambda served: requested_mode(body, served), drain=drain)
         return web.json_response({**self.router.mode.as_dict(), "switch": outcome})
 
     async def workers(self, request) -> web.Response:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minipd.server.errors import Conflict, InvalidRequest, Unavailable
@@ -111,6 +112,11 @@ def requested_mode(body: dict, cur: Mode) -> Mode:
         kinds = (int,) if field in INTEGER_SETTINGS else (int, float)
         if isinstance(value, bool) or not (isinstance(value, kinds) or (value is None and nullable)):
             raise InvalidRequest(f"'{field}' must be {'an integer' if kinds == (int,) else 'a number'}", param=field)
+        if field in LINK_SETTINGS and value is not None:
+            try:
+                value = float(value)  # the workers get a float (an int past 2**64 cannot be packed for them)
+            except OverflowError:
+                raise InvalidRequest(f"'{field}' is out of range", param=field) from None
         if not applies and value != default:
             raise InvalidRequest(f"'{field}' does not apply to mode {name!r}: it is a setting of "
                                  f"{' and '.join(APPLIES_TO[field])}", param=field)  # fmt: skip
@@ -137,10 +143,16 @@ class ModeSwitcher:
         self.last: dict | None = None  # the last switch's outcome
         self.move_timeout = 60.0  # how long a switch's answer waits for its moves (they go on after)
 
-    async def switch(self, mode: Mode, drain: bool = False) -> dict:
+    async def switch(self, mode: Mode | Callable[[Mode], Mode], drain: bool = False) -> dict:
+        """`mode`, or what a function makes of the mode served once the switches before this one
+        are over (a POST /admin/mode body keeps omitted settings from that mode, not an earlier one)."""
         r = self.router
-        mode.check(len(r.pool.workers))
+        if isinstance(mode, Mode):
+            mode.check(len(r.pool.workers))
         async with self.lock:
+            if not isinstance(mode, Mode):
+                mode = mode(r.mode)
+                mode.check(len(r.pool.workers))
             old, started = r.mode, time.time()
             if mode == old and r.ready:
                 return self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
@@ -166,6 +178,10 @@ class ModeSwitcher:
                 r.metrics.mode.info({k: str(v) for k, v in mode.as_dict().items()})
                 if r.ready:
                     r.metrics.mode_switches.labels(r.metrics.model).inc()
+            except BaseException as err:  # the switch's event gets its end: it did not happen
+                r.events.publish({"type": "mode", "phase": "failed", "time": time.time(), "started": started,
+                                  "from": old.as_dict(), "to": mode.as_dict(), "error": str(err) or repr(err)})  # fmt: skip
+                raise
             finally:
                 r.target = None
                 r.serving.set()

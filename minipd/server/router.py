@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minipd.detokenizer import TextStream
@@ -355,9 +356,9 @@ class Router:
                                  f"from a worker (later ones waited for them over {gap:g} s)")  # fmt: skip
 
     # ---- modes -----------------------------------------------------------------------------------
-    async def set_mode(self, mode: Mode, drain: bool = False) -> dict:
+    async def set_mode(self, mode: Mode | Callable[[Mode], Mode], drain: bool = False) -> dict:
         """The switch is the server's: a caller that goes away (a client giving up) does not stop it
-        halfway. Returns its outcome (what moved, how long it took)."""
+        halfway. Returns its outcome (what moved, how long it took). `mode`: ModeSwitcher.switch's."""
         return await asyncio.shield(self.spawn(self.switcher.switch(mode, drain)))
 
     def mode_report(self) -> dict:

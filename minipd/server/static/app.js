@@ -312,7 +312,7 @@ function onEvent(ev) {
 }
 
 // A switch starts ("switch", or "drain" for a clean cut), its new mode serves ("serving": the lanes change
-// now), its moves are done ("switched": what moved, how long it all took).
+// now), its moves are done ("switched": what moved, how long it all took), or it failed ("failed").
 function onModeEvent(ev) {
   if (ev.phase === "switch" || ev.phase === "drain") {
     if (!S.switches.some((w) => w.time === ev.time)) {
@@ -331,6 +331,9 @@ function onModeEvent(ev) {
     loadWorkers();
   } else if (ev.phase === "switched") {
     switchAnswered(ev, ev.time);
+  } else if (ev.phase === "failed") {  // it did not happen: the old mode serves on
+    S.switches = S.switches.filter((w) => w.time !== ev.started);
+    S.dirty = true;
   }
 }
 
