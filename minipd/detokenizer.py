@@ -27,14 +27,20 @@ class TextStream:
     """Detokenizes one request's output and applies its stop strings. While streaming it holds
     back the few characters that could still become a stop string."""
 
-    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
-        self.stop = stop
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0, include_stop: bool = False,
+                 skip_special_tokens: bool = True):  # fmt: skip
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stop, self.include_stop = stop, include_stop
         self.min_tokens, self.num_tokens = min_tokens, 0  # as vLLM: no stop string ends a reply before min_tokens
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.emitted = 0
         self.stopped = False
+
+    @classmethod
+    def of(cls, tokenizer, params) -> TextStream:
+        """The text of a reply sampled with `params` (a SamplingParams)."""
+        return cls(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output, params.skip_special_tokens)
 
     def push(self, token_ids: list[int], final: bool = False) -> str:
         """Returns the text that may be shown now. Sets .stopped when a stop string appears."""
@@ -44,11 +50,11 @@ class TextStream:
         start = max(0, len(self.text) - self.hold)
         self.text += delta
         self.num_tokens += len(token_ids)
-        for s in self.stop if self.num_tokens > self.min_tokens else ():
-            at = self.text.find(s, start)
-            if at != -1:
-                self.text = self.text[:at]
-                self.stopped = True
+        found = [(at, s) for s in (self.stop if self.num_tokens > self.min_tokens else ()) if (at := self.text.find(s, start)) != -1]
+        if found:  # the stop string that appears first ends the reply
+            at, s = min(found)
+            self.text = self.text[: at + len(s) if self.include_stop else at]
+            self.stopped = True
         end = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted : end]
         self.emitted = end

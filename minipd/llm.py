@@ -93,7 +93,7 @@ class LLM:
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None, None if p.logprobs is None else [])])
-                streams[rid] = TextStream(self.tokenizer, p.stop, p.min_tokens) if self.tokenizer else None
+                streams[rid] = TextStream.of(self.tokenizer, p) if self.tokenizer else None
         except ValueError:
             for rid in results:  # one bad prompt: none of this call's requests stay behind
                 self.engine.abort_request(rid)

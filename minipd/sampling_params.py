@@ -24,6 +24,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     min_p: float = 0.0  # after temperature, tokens less likely than this times the best one are not drawn (vLLM's)
     min_tokens: int = 0  # before this many tokens, eos and stop_token_ids are not sampled and stop strings not looked for
+    include_stop_str_in_output: bool = False  # the stop string that ended the reply stays in its text (vLLM's)
+    skip_special_tokens: bool = True  # special tokens (eos, ...) leave no text (vLLM's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

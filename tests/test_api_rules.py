@@ -227,6 +227,20 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     # an unknown or mistyped stream option was ignored (defect)
     ({"stream": True, "stream_options": {"include_usage": True, "usage_every_chunk": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+    # vLLM's fields that were taken and ignored (defect): refused where not honoured, and mistyped ones named
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"length_penalty": 2.0}, "length_penalty"), ({"early_stopping": True}, "early_stopping"),
+    ({"priority": 1}, "priority"), ({"logits_processors": ["m.P"]}, "logits_processors"),
+    ({"prompt_embeds": "AAAA"}, "prompt_embeds"), ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
+    ({"vllm_xargs": {"a": 1}}, "vllm_xargs"), ({"return_token_ids": True}, "return_token_ids"),
+    ({"request_id": "mine"}, "request_id"),
+    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"), ({"add_special_tokens": "no"}, "add_special_tokens"),
+    ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2**70}, "truncate_prompt_tokens"),
+    ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"),
+    ({"model": 5}, "model"), ({"model": ["tiny"]}, "model"),  # was a 404 model_not_found (defect)
 ])  # fmt: skip
 async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
     async with api_client(tokenizer) as client:

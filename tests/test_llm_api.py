@@ -89,6 +89,22 @@ def test_logprobs_are_the_models_own_as_transformers_computes_them(llm):
             assert v == pytest.approx(row[t].item(), abs=1e-4)
 
 
+def test_the_stop_string_that_appears_first_ends_the_reply_and_stays_in_it_when_asked(tokenizer):
+    ids = tokenizer.encode("one two three four", add_special_tokens=False)
+    for include, text in ((False, "one "), (True, "one two")):
+        stream = TextStream(tokenizer, stop=["three four", "two"], include_stop=include)
+        shown = "".join(stream.push([t]) for t in ids)
+        assert stream.stopped and shown == text
+    whole = TextStream(tokenizer, stop=["four", "two"], include_stop=True)
+    assert whole.push(ids, final=True) == "one two"  # both in one push: the first one in the text wins
+
+
+def test_special_tokens_leave_text_only_when_asked(tokenizer):
+    ids = tokenizer.encode("hi", add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert TextStream(tokenizer, []).push(ids, final=True) == "hi"
+    assert TextStream(tokenizer, [], skip_special_tokens=False).push(ids, final=True) == "hi<|im_end|>"
+
+
 def test_a_stop_string_within_min_tokens_does_not_stop(tokenizer):
     ids = tokenizer.encode("one two three four three five", add_special_tokens=False)
     stream = TextStream(tokenizer, stop=["three"], min_tokens=3)  # "one", " two", " three": within

@@ -420,6 +420,41 @@ async def test_a_one_token_prompt_echoes_with_logprobs_and_gets_one_null_prompt_
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
 
 
+def test_vllms_output_fields_are_honoured_not_ignored(server, tokenizer):
+    """Defect: include_stop_str_in_output, skip_special_tokens, return_tokens_as_token_ids and
+    truncate_prompt_tokens were taken and ignored."""
+    prompt = [5, 17, 300, 42, 8, 99]
+    base = completion(server, prompt, max_tokens=16, ignore_eos=True)["choices"][0]["text"]
+    stop = next(base[i : i + 3] for i in range(len(base) // 2, len(base)) if base[i : i + 3].strip())
+    at = base.find(stop)
+    kw = {"max_tokens": 16, "ignore_eos": True, "stop": [stop]}
+    assert completion(server, prompt, **kw)["choices"][0]["text"] == base[:at]
+    kept = completion(server, prompt, include_stop_str_in_output=True, **kw)["choices"][0]
+    assert kept["text"] == base[: at + len(stop)] and kept["finish_reason"] == "stop"
+
+    eos = tokenizer.eos_token_id
+    ends = {"max_tokens": 2, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    assert completion(server, prompt, **ends)["choices"][0]["text"] == ""
+    shown = completion(server, prompt, skip_special_tokens=False, **ends)["choices"][0]["text"]
+    assert shown == tokenizer.decode([eos, eos], skip_special_tokens=False) == "<|im_end|><|im_end|>"
+
+    lp = completion(server, prompt, max_tokens=3, logprobs=2, return_tokens_as_token_ids=True)["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"]) and len(lp["tokens"]) == 3
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"] for k in top)
+    status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                        "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True})  # fmt: skip
+    assert status == 200 and all(c["token"].startswith("token_id:") for c in chat["choices"][0]["logprobs"]["content"])
+
+    cut = completion(server, prompt, max_tokens=4, truncate_prompt_tokens=3)
+    assert cut["usage"]["prompt_tokens"] == 3
+    assert cut["choices"][0]["text"] == completion(server, prompt[-3:], max_tokens=4)["choices"][0]["text"]
+    long = completion(server, [7] * 5000, max_tokens=2, truncate_prompt_tokens=10)  # longer than the context
+    assert long["usage"]["prompt_tokens"] == 10
+    status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 50}],
+                                                        "max_tokens": 1, "truncate_prompt_tokens": 5})  # fmt: skip
+    assert status == 200 and chat["usage"]["prompt_tokens"] == 5
+
+
 def test_fields_real_clients_send_are_accepted(server):
     status, body = server.post("/v1/chat/completions", {
         "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

@@ -182,19 +182,25 @@ class Api:
     # ---- OpenAI endpoints ---------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = p.completion_prompt(body, self.max_model_len, self.max_token_chars)
+        keep = p.truncate_prompt_tokens(body, self.max_model_len)
+        special = p.flag(body, "add_special_tokens", True)
+        prompt = p.completion_prompt(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
         text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str):
             tokenizer = self._tokenizer()
-            prompt = await self._off_loop(len(prompt), tokenizer.encode, prompt)
+            prompt = await self._off_loop(len(prompt), tokenizer.encode, prompt, special)
+        if keep is not None and len(prompt) > keep:  # echo then shows the tokens kept
+            prompt, text = prompt[-keep:], None
         return await self._serve(request, body, prompt, chat=False, prompt_text=text)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        messages = p.chat_messages(body, self.max_model_len, self.max_token_chars)
+        keep = p.truncate_prompt_tokens(body, self.max_model_len)
+        special = p.flag(body, "add_special_tokens", False)  # vLLM's chat default: the template writes them
+        messages = p.chat_messages(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
         num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
-        ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer())
-        return await self._serve(request, body, ids, chat=True)
+        ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
+        return await self._serve(request, body, ids[-keep:] if keep is not None else ids, chat=True)
 
     async def _off_loop(self, num_chars: int, fn, *args):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
@@ -204,6 +210,8 @@ class Api:
 
     async def _serve(self, request, body, ids: list[int], chat: bool, prompt_text: str | None = None) -> web.StreamResponse:
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError("'model' must be a string", param="model")
         if model not in (None, self.model_name):
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
@@ -217,6 +225,7 @@ class Api:
         default = self.default_max_tokens if chat else 16
         params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64, chat)
         num = p.num_choices(body)
+        token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
         echo = None  # completions' echo: the prompt's text, as given (or its tokens decoded)
         if body.get("echo"):
             echo = prompt_text if prompt_text is not None else self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
@@ -226,8 +235,8 @@ class Api:
             for i in range(num):  # every choice a request of its own; the first keeps the reply's id
                 states.append(self.router.submit(rid if num == 1 else f"{rid}-{i}", ids, choice_params(params, i)))
             if opts.stream:
-                return await self._stream(request, rid, states, chat, opts, echo)
-            return await self._collect(rid, states, chat, echo)
+                return await self._stream(request, rid, states, chat, opts, echo, token_text)
+            return await self._collect(rid, states, chat, echo, token_text)
         except (asyncio.CancelledError, ConnectionResetError):
             log.debug("client went away; request %s aborted", rid)
             raise
@@ -236,7 +245,9 @@ class Api:
                 if not state.finished:
                     self.router.abort(state.request_id)  # the client went away (or a choice failed): free the blocks
 
-    async def _collect(self, rid: str, states: list, chat: bool, echo: str | None = None) -> web.Response:
+    async def _collect(self, rid: str, states: list, chat: bool, echo: str | None = None,
+                       token_text=None) -> web.Response:  # fmt: skip
+        token_text = token_text or self._token_text
         texts, counts, ends = [""] * len(states), [0] * len(states), [None] * len(states)
         logprobs = [[] for _ in states]
         async with aclosing(deltas_of(states)) as deltas:
@@ -254,7 +265,7 @@ class Api:
                            for i, (text, end) in enumerate(zip(texts, ends))]  # fmt: skip
         params = states[0].params
         for choice, entries, state in zip(body["choices"], logprobs, states):
-            writer = LogprobsWriter(self._token_text, chat)
+            writer = LogprobsWriter(token_text, chat)
             head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if echo is not None and params.logprobs is not None else None
             if params.logprobs is not None:
                 choice["logprobs"] = writer(entries)
@@ -263,18 +274,18 @@ class Api:
             if echo is not None:
                 choice["text"] = echo + choice["text"]
             if params.prompt_logprobs is not None and not chat:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), token_text)
         if params.prompt_logprobs is not None and chat:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), self._token_text)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), token_text)
         return web.json_response(body)
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
-            return f"token_id:{token_id}"  # as vLLM without a tokenizer
+            return token_id_text(token_id)  # as vLLM without a tokenizer
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _stream(self, request, rid: str, states: list, chat: bool, opts: p.StreamOptions,
-                      echo: str | None = None) -> web.StreamResponse:  # fmt: skip
+                      echo: str | None, token_text) -> web.StreamResponse:  # fmt: skip
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created = p.now()
 
@@ -290,16 +301,17 @@ class Api:
 
         try:
             await resp.prepare(request)
-            await self._stream_deltas(states, send, chunk, chat, opts, echo)
+            await self._stream_deltas(states, send, chunk, chat, opts, echo, token_text)
             await resp.write_eof()
         except ConnectionResetError:  # the client went away mid-stream; _serve frees the request
             log.debug("client of %s went away", rid)
         return resp
 
     async def _stream_deltas(self, states: list, send, chunk, chat: bool, opts: p.StreamOptions,
-                             echo: str | None = None) -> None:  # fmt: skip
+                             echo: str | None = None, token_text=None) -> None:  # fmt: skip
+        token_text = token_text or self._token_text
         counts = [0] * len(states)
-        writers = [LogprobsWriter(self._token_text, chat) if s.params.logprobs is not None else None for s in states]
+        writers = [LogprobsWriter(token_text, chat) if s.params.logprobs is not None else None for s in states]
         logprobs = [[] for _ in states]  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
 
         async def send_chunk(obj: dict, index: int) -> None:
@@ -318,7 +330,7 @@ class Api:
             async for i, d in deltas:
                 if not started[i] and not d.error:  # the prompt's part comes first: known once its first token is
                     started[i] = True
-                    await self._stream_prompt(states[i], i, send, chunk, chat, echo, writers[i])
+                    await self._stream_prompt(states[i], i, send, chunk, chat, echo, writers[i], token_text)
                 counts[i] += d.num_tokens
                 logprobs[i] += d.logprobs or []
                 if d.error:
@@ -336,7 +348,8 @@ class Api:
             await send(obj)
         await send(b"[DONE]")
 
-    async def _stream_prompt(self, state, index: int, send, chunk, chat: bool, echo: str | None, writer) -> None:
+    async def _stream_prompt(self, state, index: int, send, chunk, chat: bool, echo: str | None, writer,
+                             token_text) -> None:  # fmt: skip
         """Completions' echo (the prompt's text, and its tokens' logprobs), and prompt_logprobs if asked."""
         params = state.params
         if echo is None and params.prompt_logprobs is None:
@@ -346,7 +359,7 @@ class Api:
             obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_entries())
         if params.prompt_logprobs is not None:
             where = obj if chat else obj["choices"][0]
-            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
+            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), token_text)
         await send(obj)
 
     # ---- the rest ----------------------------------------------------------------------
@@ -570,6 +583,11 @@ class Api:
         if self.tokenizer is None:
             raise ApiError("this model has no tokenizer", 400)
         return self.tokenizer
+
+
+def token_id_text(token_id: int) -> str:
+    """vLLM's name for a token by its id (return_tokens_as_token_ids; a model without a tokenizer)."""
+    return f"token_id:{token_id}"
 
 
 class NotJson(ValueError):

@@ -30,8 +30,11 @@ UNSUPPORTED = ("suffix", "tools", "functions", "function_call",
                "use_beam_search", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
                "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
-               "continue_final_message", "documents", "mm_processor_kwargs")  # fmt: skip
-HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,)}
+               "continue_final_message", "documents", "mm_processor_kwargs", "logits_processors", "prompt_embeds",
+               "kv_transfer_params", "vllm_xargs", "return_token_ids", "request_id")  # fmt: skip
+HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,),
+            "spaces_between_special_tokens": (True,), "length_penalty": (1.0,), "early_stopping": (False,),
+            "priority": (0,)}  # fmt: skip
 
 
 def refuse_unsupported(body: dict) -> None:
@@ -43,6 +46,9 @@ def refuse_unsupported(body: dict) -> None:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError("'user' must be a string", param="user")
+    salt = body.get("cache_salt")  # salts a prefix cache, which minipd does not have: nothing to salt
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ApiError("'cache_salt' must be a non-empty string", param="cache_salt")
     for name, fine in HARMLESS.items():
         if body.get(name) is not None and body[name] not in fine:
             raise ApiError(f"'{name}' other than {' or '.join(map(repr, fine))} is not supported", param=name)
@@ -69,7 +75,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     refuse_unsupported(body)
     logprobs = _logprobs(body, chat)
-    if _flag(body, "echo") and chat:
+    if flag(body, "echo") and chat:
         raise ApiError("'echo' is a field of completions; chat does not take it", param="echo")
     prompt_logprobs = _number(body, "prompt_logprobs", None, int, low=0, high=MAX_LOGPROBS)
     if body.get("echo") and logprobs is not None:  # echoed prompt tokens get their logprobs too, as in vLLM
@@ -109,7 +115,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
                        param="stop_token_ids")  # fmt: skip
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids):
         raise ApiError(f"'stop_token_ids' must be token ids in [0, {vocab_size})", param="stop_token_ids")
-    ignore_eos = _flag(body, "ignore_eos")
+    ignore_eos = flag(body, "ignore_eos")
     min_tokens = _number(body, "min_tokens", 0, int, low=0)
     if min_tokens > max_tokens:
         raise ApiError(f"'min_tokens' ({min_tokens}) must not exceed the reply's most tokens ({max_tokens})",
@@ -123,6 +129,8 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
         stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=logprobs, **penalties,
         min_tokens=min_tokens, min_p=_number(body, "min_p", 0.0, low=0.0, high=1.0),
         logit_bias=_logit_bias(body, vocab_size), prompt_logprobs=prompt_logprobs,
+        include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
+        skip_special_tokens=flag(body, "skip_special_tokens", True),
     )  # fmt: skip
 
 
@@ -163,7 +171,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise ApiError("'top_logprobs' belongs to chat completions; here 'logprobs': N asks for the N best",
                            param="top_logprobs")  # fmt: skip
         return _number(body, "logprobs", None, int, low=0, high=MAX_LOGPROBS)
-    wanted = _flag(body, "logprobs")
+    wanted = flag(body, "logprobs")
     top = _number(body, "top_logprobs", None, int, low=0, high=MAX_LOGPROBS)
     if top and not wanted:
         raise ApiError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
@@ -181,7 +189,7 @@ STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscatio
 
 
 def stream_options(body: dict) -> StreamOptions:
-    stream = _flag(body, "stream")
+    stream = flag(body, "stream")
     opts = body.get("stream_options")
     opts = {} if opts is None else opts
     if not isinstance(opts, dict):
@@ -201,11 +209,23 @@ def stream_options(body: dict) -> StreamOptions:
     return StreamOptions(stream, include_usage, include_usage and bool(opts.get("continuous_usage_stats")))
 
 
-def _flag(body: dict, name: str) -> bool:
+def flag(body: dict, name: str, default: bool = False) -> bool:
+    """A boolean field (null: the default); anything else is a 400 naming it."""
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise ApiError(f"'{name}' must be a boolean", param=name)
-    return bool(value)
+    return default if value is None else value
+
+
+def truncate_prompt_tokens(body: dict, max_model_len: int) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last K tokens (-1: the context length)."""
+    k = body.get("truncate_prompt_tokens")
+    if k is None:
+        return None
+    if type(k) is not int or not (k == -1 or 1 <= k < INT64):
+        raise ApiError("'truncate_prompt_tokens' must be an integer >= 1, or -1 (the context length)",
+                       param="truncate_prompt_tokens")  # fmt: skip
+    return max_model_len if k == -1 else k
 
 
 def context_error(max_model_len: int, param: str, what: str) -> ApiError:
@@ -231,8 +251,11 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def completion_prompt(body: dict, max_model_len: int, max_token_chars: int) -> str | list[int]:
-    """The prompt as text (still to be tokenized) or as token ids, refused early when it cannot fit."""
+def completion_prompt(body: dict, max_model_len: int, max_token_chars: int, truncated: bool = False) -> str | list[int]:
+    """The prompt as text (still to be tokenized) or as token ids, refused early when it cannot fit
+    (unless `truncated`: it is cut to its last tokens; the body's size still bounds it)."""
+    if truncated:
+        max_model_len = INT64
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -249,8 +272,9 @@ def completion_prompt(body: dict, max_model_len: int, max_token_chars: int) -> s
                    param="prompt")  # fmt: skip
 
 
-def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[dict]:
-    """The messages, checked and flattened to text; refused early when they cannot fit."""
+def chat_messages(body: dict, max_model_len: int, max_token_chars: int, truncated: bool = False) -> list[dict]:
+    """The messages, checked and flattened to text; refused early when they cannot fit (unless
+    `truncated`: the prompt is cut to its last tokens)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("'messages' must be a non-empty list", param="messages")
@@ -284,20 +308,22 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int) -> list[
         num_chars += len(content)
         role = "system" if msg["role"] == "developer" else msg["role"]
         clean.append({"role": role, "content": content})
-    check_prompt_chars(num_chars, max_model_len, max_token_chars, "messages")
+    if not truncated:
+        check_prompt_chars(num_chars, max_model_len, max_token_chars, "messages")
     for msg in clean:
         check_text(msg["content"], "messages")
     return clean
 
 
-def chat_prompt(messages: list[dict], tokenizer) -> list[int]:
+def chat_prompt(messages: list[dict], tokenizer, add_special_tokens: bool = False) -> list[int]:
+    """add_special_tokens: as vLLM's (off: the template writes them)."""
     from jinja2.exceptions import TemplateError
 
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except TemplateError as err:  # the template's own raise_exception: e.g. roles that must alternate
         raise ApiError(f"the model's chat template refused the messages: {err}", param="messages") from None
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def new_id(prefix: str) -> str:

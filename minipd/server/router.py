@@ -86,7 +86,7 @@ class Router:
         lim = self.limits
         if len(self.requests) >= lim.max_running_per_worker * len(serving) + lim.max_waiting:
             raise Overloaded("the server is overloaded; try again later")
-        stream = TextStream(self.tokenizer, params.stop, params.min_tokens) if self.tokenizer else None
+        stream = TextStream.of(self.tokenizer, params) if self.tokenizer else None
         state = RequestState(request_id, prompt_token_ids, params, stream)
         state.deadline = time.monotonic() + lim.request_timeout
         self.requests[request_id] = state
