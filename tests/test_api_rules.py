@@ -416,6 +416,37 @@ async def test_draining_the_only_worker_left_for_a_role_is_refused(roles):
             workers.clear()
 
 
+@pytest.mark.parametrize("body, status, param", [
+    ({"restart": True}, 400, "restart"), ({"x": 1}, 400, "x"), ("[]", 400, None), ("text", 415, None)])
+async def test_resume_checks_its_body_as_drain_does(body, status, param):
+    """Defect: /admin/workers/{id}/resume took any body (not JSON, unknown fields) and resumed."""
+    async with api_client() as client:
+        workers = client.api.router.pool.workers
+        workers.append(SimpleNamespace(worker_id=0, role="both", alive=True, draining=True, state="up"))
+        try:
+            if body == "text":
+                resp = await client.post("/admin/workers/0/resume", data="resume", headers={"Content-Type": "text/plain"})
+            elif body == "[]":
+                resp = await client.post("/admin/workers/0/resume", json=[])
+            else:
+                resp = await client.post("/admin/workers/0/resume", json=body)
+            err = await error_of(resp)
+            assert resp.status == status and err["param"] == param and workers[0].draining, err
+            assert (await client.post("/admin/workers/0/resume")).status == 200 and not workers[0].draining
+        finally:
+            workers.clear()
+
+
+async def test_a_request_refused_at_the_door_says_why_in_its_code(tokenizer):
+    """Defect: a request refused while the server shut down was a 503 with code null."""
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/completions", json={"prompt": "hi"})
+        assert resp.status == 503 and (await error_of(resp))["code"] == "no_worker"  # no worker at all here
+        client.api.router.accepting = False
+        resp = await client.post("/v1/completions", json={"prompt": "hi"})
+        assert resp.status == 503 and (await error_of(resp))["code"] == "shutting_down"
+
+
 async def test_a_body_that_claims_gzip_but_is_not_is_refused(caplog):
     """Defect: 'Content-Encoding: gzip' over bytes that are not gzip gave a 500 (and two tracebacks);
     then a clean 400, but aiohttp's lingering read of the broken body logged 'Unhandled exception'

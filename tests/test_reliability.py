@@ -433,3 +433,5 @@ def test_restarts_an_operator_asks_for_do_not_use_up_the_crash_budget():
                 assert w["state"] != "dead" and time.monotonic() < deadline, w
                 time.sleep(0.2)
         assert s.get("/health")[0] == 200
+        # /admin/workers counted none of them (defect) while minipd:worker_restarts counted them all
+        assert w["restarts"] == 3 and 'minipd:worker_restarts_total{model_name="tiny-random",worker="1"} 3.0' in s.get("/metrics")[1]

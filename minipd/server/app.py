@@ -441,7 +441,7 @@ class Api:
         for w in r.pool.workers:
             s = w.stats
             rows.append({"id": w.worker_id, "pid": w.pid, "state": w.state, "alive": w.alive, "role": w.role,
-                         "device": w.device, "incarnation": w.incarnation, "restarts": len(w.restarts),
+                         "device": w.device, "incarnation": w.incarnation, "restarts": w.num_restarts,
                          "exit_cause": w.exit_cause, "kv_transport": self.kv_transport,
                          "kv_address": w.info.kv_address if w.info else None,
                          "requests_running": s.num_running if s else 0, "requests_waiting": s.num_waiting if s else 0,
@@ -501,6 +501,9 @@ class Api:
 
     async def resume_worker(self, request) -> web.Response:
         w = self._worker(request)
+        body = await self._body(request) if request.can_read_body else {}
+        if body:
+            raise InvalidRequest(f"unknown field(s) {sorted(body)}; resume takes none", param=sorted(body)[0])
         w.draining = False
         self.router.events.publish({"type": "worker", "worker": w.worker_id, "state": "up", "time": time.time()})
         self.router.seats.pump()

@@ -77,12 +77,13 @@ class Router:
     # ---- requests ------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         if not self.accepting:
-            raise Unavailable("the server is shutting down")
+            raise Unavailable("the server is shutting down", code="shutting_down")
         if self.fault:
-            raise Unavailable(f"the server is broken: {self.fault}")
+            raise Unavailable(f"the server is broken: {self.fault}", code="server_fault")
         serving = [w for w in self.pool.workers if w.state != "dead"]
         if not serving:
-            raise Unavailable("every worker has died: " + "; ".join(filter(None, (w.exit_cause for w in self.pool.workers))))
+            causes = "; ".join(filter(None, (w.exit_cause for w in self.pool.workers)))
+            raise Unavailable("no worker is alive" + (f": {causes}" if causes else ""), code="no_worker")
         lim = self.limits
         if len(self.requests) >= lim.max_running_per_worker * len(serving) + lim.max_waiting:
             raise Overloaded("the server is overloaded; try again later")

@@ -92,6 +92,7 @@ class Supervisor:
         if w.incarnation != incarnation or not w.process.is_alive():
             return
         self.num_restarts += 1
+        w.num_restarts += 1
         self.router.metrics.worker_restarts.labels(self.router.metrics.model, str(worker_id)).inc()
         self.router.on_worker_back(worker_id)
         log.info("worker %d is back (pid %d, %s)", worker_id, w.pid, w.role)

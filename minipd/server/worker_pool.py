@@ -45,7 +45,8 @@ class WorkerHandle:
     exit_cause: str | None = None
     kill_reason: str | None = None  # why the supervisor killed it, if it did
     stop_requested: bool = False  # an operator's drain with restart: its clean exit is not a crash
-    restarts: list[float] = field(default_factory=list)
+    restarts: list[float] = field(default_factory=list)  # when it crashed and was restarted (the crash budget)
+    num_restarts: int = 0  # times it came back, asked for or not
 
     @property
     def alive(self) -> bool:
