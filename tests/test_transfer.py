@@ -81,16 +81,16 @@ def test_a_send_to_a_reader_that_is_gone_fails_within_its_deadline(tiny_model):
     ctx = zmq.Context()
     sender = KVSender(ctx, "tcp", timeout=0.5)
     try:
-        sock = ctx.socket(zmq.PULL)
-        port = sock.bind_to_random_port("tcp://127.0.0.1")
-        sock.close(linger=0)  # nobody listens there any more
+        gone = zmq.Context()  # its own context: destroyed, its listener is closed for sure (a socket's close is not)
+        port = gone.socket(zmq.PULL).bind_to_random_port("tcp://127.0.0.1")
+        gone.destroy(linger=0)  # nobody listens there any more
         started = time.monotonic()
         sender.write("r", prefill.handoff_kv("r"), dataclasses.asdict(prefill.handoff_meta("r")),
                      Peer(f"tcp://127.0.0.1:{port}"), [0], {"start": time.time()})  # fmt: skip
         while not (finished := sender.finished()):
             assert time.monotonic() - started < 5, "the sender is stuck"
             time.sleep(0.02)
-        assert finished[0][:2] == ("r", "failed") and "did not take the KV within 0.5 s" in finished[0][2]
+        assert finished[0][:2] == ("r", "timed_out") and "did not take the KV within 0.5 s" in finished[0][2]
     finally:
         sender.close()
         ctx.destroy(linger=0)

@@ -222,7 +222,7 @@ class Router:
             self.redo(state, f"its move failed on worker {msg.worker_id}: {msg.message}")
         else:
             log.info("request %s failed on worker %d: %s", state.request_id, msg.worker_id, msg.message)
-            status = 503 if msg.code == m.KV_HANDOFF_FAILED else 500
+            status = 503 if msg.code in (m.KV_HANDOFF_FAILED, m.KV_HANDOFF_TIMEOUT) else 500
             self.fail(state, msg.message, reporter=msg.worker_id, status=status, code=msg.code)
 
     def _arrived(self, state: RequestState, msg: m.Event) -> None:

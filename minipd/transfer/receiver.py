@@ -27,6 +27,7 @@ class Arrival:
     seconds: float | None = None  # from the writer's start to the import
     error: str | None = None  # set when the seat failed while its request was still wanted
     cancelled: bool = False  # the writer called it off (and tells the main process itself)
+    timed_out: bool = False  # the writer's lease ran out before all of it came
 
 
 @dataclass(slots=True)
@@ -110,7 +111,8 @@ class SeatTable:
         if outcome != wire.WRITTEN:
             self._release(h, Stage.FAILED)
             reason = body.get("error") or body.get("reason") or outcome
-            return Arrival(h.key, False, error=f"the KV handoff {outcome}: {reason}", cancelled=outcome == wire.CANCELLED)
+            return Arrival(h.key, False, error=f"the KV handoff {outcome.replace('_', ' ')}: {reason}",
+                           cancelled=outcome == wire.CANCELLED, timed_out=outcome == wire.TIMED_OUT)  # fmt: skip
         meta = HandoffMeta(**body["meta"])
         try:
             h.to(Stage.WRITTEN)

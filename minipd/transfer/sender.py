@@ -215,10 +215,11 @@ class _Lane:
                     if sock is not None:
                         sock.close(linger=0)  # a half-sent handoff goes with its socket
                         sock = None
+                    outcome = wire.TIMED_OUT if isinstance(err, TimeoutError) else wire.FAILED
                     if item:
-                        s._report(item, wire.FAILED, f"KV handoff failed: {err}")
+                        s._report(item, outcome, f"KV handoff failed: {err}")
                     if item and item.report and not isinstance(err, PeerGone):  # its reader still waits for its END
-                        end = {"key": item.key, "outcome": wire.FAILED, "error": str(err)}
+                        end = {"key": item.key, "outcome": outcome, "error": str(err)}
                         owed.append((wire.header(wire.END, end), time.monotonic() + s.word_timeout))
         finally:
             while not self.queue.empty():  # forgotten: fail what is still queued

@@ -5,7 +5,8 @@ as frames. Plain data except the KV bytes themselves.
     PART   [b"P", key, part (u32 le), bytes]   tcp: one (K/V, layer) part of the KV
     END    [b"E", header]                      the writer's last word on a handoff: header["outcome"]
                                                is "written" (all KV is in the seat), "cancelled"
-                                               (nothing will be written) or "failed"
+                                               (nothing will be written), "failed" or "timed_out"
+                                               (failed: the write's lease ran out)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgpack
 
 BEGIN, PART, END = b"B", b"P", b"E"
 WRITTEN, CANCELLED, FAILED = "written", "cancelled", "failed"
+TIMED_OUT = "timed_out"  # failed: the write's lease ran out first (a slow link, a reader that does not read)
 
 
 @dataclass(slots=True)

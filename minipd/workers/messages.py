@@ -227,3 +227,4 @@ class RequestError:
 
 
 KV_HANDOFF_FAILED = "kv_handoff_failed"
+KV_HANDOFF_TIMEOUT = "kv_handoff_timeout"  # ... within its lease (--kv-transfer-timeout)

@@ -344,7 +344,8 @@ class Worker:
             self.send(m.Event(arrival.key, self.id, "transfer_end", time.time(),
                               {"bytes": meta.num_bytes, "seconds": arrival.seconds, "tokens": len(meta.token_ids)}))  # fmt: skip
         elif arrival.error and not arrival.cancelled:  # a writer that cancels says why itself
-            self.send(m.RequestError(arrival.key, self.id, arrival.error, m.KV_HANDOFF_FAILED))
+            code = m.KV_HANDOFF_TIMEOUT if arrival.timed_out else m.KV_HANDOFF_FAILED
+            self.send(m.RequestError(arrival.key, self.id, arrival.error, code))
         self.send_stats()
 
     def _seat_released(self, key: str, stage: Stage) -> None:
@@ -396,7 +397,8 @@ class Worker:
                 self.outgoing.end(key, Stage.FAILED if error else Stage.RELEASED)
             self.send(m.Event(key, self.id, "kv_sent", time.time(), {"outcome": outcome, "error": error}))
             if error and h is not None and not h.aborted:
-                self.send(m.RequestError(key, self.id, error, m.KV_HANDOFF_FAILED))
+                code = m.KV_HANDOFF_TIMEOUT if outcome == wire.TIMED_OUT else m.KV_HANDOFF_FAILED
+                self.send(m.RequestError(key, self.id, error, code))
         if sent:
             self.send_stats()
 
