@@ -455,6 +455,15 @@ def test_vllms_output_fields_are_honoured_not_ignored(server, tokenizer):
     assert status == 200 and chat["usage"]["prompt_tokens"] == 5
 
 
+def test_a_reply_of_several_choices_has_a_timeline_under_its_own_id(server):
+    """Defect: with n > 1 the response's id had no timeline (only its choices' ids, which it never names)."""
+    body = completion(server, [5, 6, 7], max_tokens=3, n=2, ignore_eos=True)
+    status, t = server.get(f"/v1/requests/{body['id']}/timeline")
+    assert status == 200 and len(t["choices"]) == 2
+    assert t["choices"][1] == server.get(f"/v1/requests/{body['id']}-1/timeline")[1]
+    assert all(len(c["token_times"]) == 3 for c in t["choices"])
+
+
 def test_fields_real_clients_send_are_accepted(server):
     status, body = server.post("/v1/chat/completions", {
         "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

@@ -12,6 +12,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
+from itertools import takewhile
 from pathlib import Path
 
 from aiohttp import web
@@ -402,7 +403,11 @@ class Api:
         return resp
 
     async def timeline(self, request) -> web.Response:
-        t = self.router.timeline(request.match_info["request_id"])
+        rid = request.match_info["request_id"]
+        t = self.router.timeline(rid)
+        if t is None:  # a reply of n choices: choice i ran as request rid-i
+            choices = list(takewhile(None.__ne__, (self.router.timeline(f"{rid}-{i}") for i in range(p.MAX_CHOICES))))
+            t = {"request_id": rid, "choices": choices} if choices else None
         if t is None:
             raise NotFound("no such request (or it ended too long ago)", code="not_found")
         return web.json_response(t)
