@@ -42,10 +42,14 @@ class TextStream:
         """The text of a reply sampled with `params` (a SamplingParams)."""
         return cls(tokenizer, params.stop, params.min_tokens, params.include_stop_str_in_output, params.skip_special_tokens)
 
-    def push(self, token_ids: list[int], final: bool = False) -> str:
-        """Returns the text that may be shown now. Sets .stopped when a stop string appears."""
+    def push(self, token_ids: list[int], final: bool = False, stop_token: bool = False) -> str:
+        """Returns the text that may be shown now. Sets .stopped when a stop string appears.
+        stop_token: the last token (eos, or one of stop_token_ids) ended the reply: as vLLM, its text
+        is left out unless include_stop_str_in_output."""
         if self.stopped:
             return ""
+        if stop_token and not self.include_stop:
+            token_ids = token_ids[:-1]
         delta = self.detokenizer.push(token_ids)
         start = max(0, len(self.text) - self.hold)
         self.text += delta

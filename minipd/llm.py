@@ -110,7 +110,8 @@ class LLM:
                     comp.logprobs += [{**dict(top), t: lp} for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
                 stream = streams[out.request_id]
                 if stream is not None:
-                    comp.text += stream.push(out.new_token_ids, final=out.finished)
+                    stop_token = out.finished and out.finish_reason == "stop"  # eos or stop_token_ids
+                    comp.text += stream.push(out.new_token_ids, final=out.finished, stop_token=stop_token)
                     if stream.stopped and not out.finished:
                         self.engine.abort_request(out.request_id)
                         comp.finish_reason = "stop"

@@ -23,7 +23,7 @@ class Pool:
         up = {"pid": 1, "state": "up", "alive": True, "role": "both", "device": "cpu", "incarnation": 0, "step_s": 0.0,
               "draining": False}
         self.workers = [
-            SimpleNamespace(**up, worker_id=i, restarts=[], exit_cause=None, info=None, stats=None) for i in range(2)
+            SimpleNamespace(**up, worker_id=i, restarts=[], num_restarts=0, exit_cause=None, info=None, stats=None) for i in range(2)
         ]
         self.sent = []
 
@@ -258,3 +258,28 @@ async def test_a_switch_that_fails_says_so_in_the_event_feed():
     assert [p for p, _ in phases] == ["switch", "failed"] and phases[0][1] == phases[1][1]
     failed = [e for e in router.events.since(0) if e.get("phase") == "failed"][0]
     assert "no room for the role" in failed["error"] and router.mode == Mode() and router.serving.is_set()
+
+
+@pytest.mark.asyncio
+async def test_a_body_without_a_mode_sent_during_a_switch_is_judged_by_the_mode_that_switch_leaves():
+    """Defect: during a switch to disagg, {"prefill_workers": 1, "decode_workers": 1} was refused at
+    once, judged against colocated (the mode served when it arrived)."""
+    pool = Pool()
+    router = Router(pool, None, Metrics("m"))
+    router.ready = True
+    api = Api(router, "m", 128)
+    first = asyncio.ensure_future(api.post_mode(JsonRequest(DISAGG)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    second = asyncio.ensure_future(api.post_mode(JsonRequest({"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 64})))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not second.done()
+    for _ in range(2):
+        sent, pool.sent = pool.sent, []
+        for worker_id, msg in sent:
+            router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+        while not pool.sent and not second.done():
+            await asyncio.sleep(0)
+    await first, await second
+    assert router.mode == Mode("disagg", 1, 1, chunk_tokens=64)

@@ -230,7 +230,8 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     # vLLM's fields that were taken and ignored (defect): refused where not honoured, and mistyped ones named
     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ({"length_penalty": 2.0}, "length_penalty"), ({"early_stopping": True}, "early_stopping"),
-    ({"priority": 1}, "priority"), ({"logits_processors": ["m.P"]}, "logits_processors"),
+    ({"priority": 1}, "priority"), ({"priority": False}, "priority"), ({"early_stopping": 0}, "early_stopping"),
+    ({"length_penalty": True}, "length_penalty"), ({"add_generation_prompt": 1}, "add_generation_prompt"), ({"logits_processors": ["m.P"]}, "logits_processors"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"), ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({"vllm_xargs": {"a": 1}}, "vllm_xargs"), ({"return_token_ids": True}, "return_token_ids"),
     ({"request_id": "mine"}, "request_id"),

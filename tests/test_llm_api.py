@@ -105,6 +105,17 @@ def test_special_tokens_leave_text_only_when_asked(tokenizer):
     assert TextStream(tokenizer, [], skip_special_tokens=False).push(ids, final=True) == "hi<|im_end|>"
 
 
+def test_a_reply_ended_by_a_stop_token_leaves_its_text_out_unless_asked(tokenizer):
+    """Defect: an eos stop with skip_special_tokens false ended the text in '<|im_end|>', and a
+    stop_token_ids token showed its text, where vLLM leaves the stopping token's text out."""
+    hi, newline = tokenizer.encode("hi", add_special_tokens=False), tokenizer.encode("\n", add_special_tokens=False)
+    eos = [tokenizer.eos_token_id]
+    assert TextStream(tokenizer, [], skip_special_tokens=False).push(hi + eos, final=True, stop_token=True) == "hi"
+    assert TextStream(tokenizer, []).push(hi + newline, final=True, stop_token=True) == "hi"
+    kept = TextStream(tokenizer, [], include_stop=True).push(hi + newline, final=True, stop_token=True)
+    assert kept == "hi\n"
+
+
 def test_a_stop_string_within_min_tokens_does_not_stop(tokenizer):
     ids = tokenizer.encode("one two three four three five", add_special_tokens=False)
     stream = TextStream(tokenizer, stop=["three"], min_tokens=3)  # "one", " two", " three": within

@@ -433,6 +433,8 @@ def test_vllms_output_fields_are_honoured_not_ignored(server, tokenizer):
     assert kept["text"] == base[: at + len(stop)] and kept["finish_reason"] == "stop"
 
     eos = tokenizer.eos_token_id
+    stopped = completion(server, prompt, max_tokens=2, logit_bias={str(eos): 100}, skip_special_tokens=False)
+    assert stopped["choices"][0]["text"] == "" and stopped["choices"][0]["finish_reason"] == "stop"  # as vLLM
     ends = {"max_tokens": 2, "ignore_eos": True, "logit_bias": {str(eos): 100}}
     assert completion(server, prompt, **ends)["choices"][0]["text"] == ""
     shown = completion(server, prompt, skip_special_tokens=False, **ends)["choices"][0]["text"]

@@ -275,9 +275,9 @@ class Api:
             if echo is not None:
                 choice["text"] = echo + choice["text"]
             if params.prompt_logprobs is not None and not chat:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), token_text)
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
         if params.prompt_logprobs is not None and chat:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), token_text)
+            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), self._token_text)
         return web.json_response(body)
 
     def _token_text(self, token_id: int) -> str:
@@ -360,7 +360,7 @@ class Api:
             obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_entries())
         if params.prompt_logprobs is not None:
             where = obj if chat else obj["choices"][0]
-            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), token_text)
+            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
         await send(obj)
 
     # ---- the rest ----------------------------------------------------------------------
@@ -406,7 +406,8 @@ class Api:
         rid = request.match_info["request_id"]
         t = self.router.timeline(rid)
         if t is None:  # a reply of n choices: choice i ran as request rid-i
-            choices = list(takewhile(None.__ne__, (self.router.timeline(f"{rid}-{i}") for i in range(p.MAX_CHOICES))))
+            parts = (self.router.timeline(f"{rid}-{i}") for i in range(p.MAX_CHOICES))
+            choices = list(takewhile(lambda t: t is not None, parts))
             t = {"request_id": rid, "choices": choices} if choices else None
         if t is None:
             raise NotFound("no such request (or it ended too long ago)", code="not_found")
@@ -431,13 +432,20 @@ class Api:
                 raise InvalidRequest("'auto' takes no other field: the advisor chooses them", param=sorted(set(body) - {"mode"})[0])
             self.router.advisor.enable()
             return web.json_response(self.router.mode_report())
-        mode = requested_mode(body, cur)
         for field in LINK_SETTINGS:
             if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
-        mode.check(len(self.router.pool.workers))  # refused now if it is wrong as things stand
-        self.router.advisor.enable(False)  # a mode chosen by hand ends `auto`
-        outcome = await self.router.set_mode(lambda served: requested_mode(body, served), drain=drain)
+        num_workers = len(self.router.pool.workers)
+        if not self.router.switcher.lock.locked():  # refused at once; during a switch, against the mode it leaves
+            requested_mode(body, cur).check(num_workers)
+
+        def resolve(served):
+            mode = requested_mode(body, served)
+            mode.check(num_workers)
+            self.router.advisor.enable(False)  # a mode chosen by hand ends `auto`
+            return mode
+
+        outcome = await self.router.set_mode(resolve, drain=drain)
         return web.json_response({**self.router.mode.as_dict(), "switch": outcome})
 
     async def workers(self, request) -> web.Response:

@@ -33,7 +33,7 @@ UNSUPPORTED = ("suffix", "tools", "functions", "function_call",
                "continue_final_message", "documents", "mm_processor_kwargs", "logits_processors", "prompt_embeds",
                "kv_transfer_params", "vllm_xargs", "return_token_ids", "request_id")  # fmt: skip
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,),
-            "spaces_between_special_tokens": (True,), "length_penalty": (1.0,), "early_stopping": (False,),
+            "spaces_between_special_tokens": (True,), "length_penalty": (1.0, 1), "early_stopping": (False,),
             "priority": (0,)}  # fmt: skip
 
 
@@ -49,8 +49,8 @@ def refuse_unsupported(body: dict) -> None:
     salt = body.get("cache_salt")  # salts a prefix cache, which minipd does not have: nothing to salt
     if salt is not None and not (isinstance(salt, str) and salt):
         raise ApiError("'cache_salt' must be a non-empty string", param="cache_salt")
-    for name, fine in HARMLESS.items():
-        if body.get(name) is not None and body[name] not in fine:
+    for name, fine in HARMLESS.items():  # the value itself, not one equal to it (true == 1 in Python)
+        if body.get(name) is not None and not any(type(body[name]) is type(f) and body[name] == f for f in fine):
             raise ApiError(f"'{name}' other than {' or '.join(map(repr, fine))} is not supported", param=name)
 
 

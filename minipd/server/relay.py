@@ -45,7 +45,8 @@ class Relay:
         state.token_times += [msg.time] * len(msg.token_ids)
         state.output_token_ids += msg.token_ids
         met.generation_tokens.labels(model).inc(len(msg.token_ids))
-        text = state.stream.push(msg.token_ids, final=msg.finished) if state.stream else ""
+        stop_token = msg.finished and msg.finish_reason == "stop"  # eos or stop_token_ids (the engine's stops)
+        text = state.stream.push(msg.token_ids, final=msg.finished, stop_token=stop_token) if state.stream else ""
         logprobs = [[t, *entry] for t, entry in zip(msg.token_ids, msg.logprobs)] if msg.logprobs else None
         if msg.prompt_logprobs is not None and msg.index == 0:
             state.prompt_logprobs = msg.prompt_logprobs

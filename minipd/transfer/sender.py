@@ -124,7 +124,8 @@ class KVSender:
 
     def finished(self) -> list[tuple[str, str, str | None]]:
         """(key, outcome, error or None) of writes that are over: their blocks may be freed now.
-        The outcome is `written`, `cancelled` (aborted before all its KV went) or `failed`."""
+        The outcome is `written`, `cancelled` (aborted before all its KV went), `failed` or
+        `timed_out` (failed: its lease ran out first)."""
         out = []
         while True:
             try:
@@ -217,7 +218,7 @@ class _Lane:
                         sock = None
                     outcome = wire.TIMED_OUT if isinstance(err, TimeoutError) else wire.FAILED
                     if item:
-                        s._report(item, outcome, f"KV handoff failed: {err}")
+                        s._report(item, outcome, f"KV handoff {outcome.replace('_', ' ')}: {err}")
                     if item and item.report and not isinstance(err, PeerGone):  # its reader still waits for its END
                         end = {"key": item.key, "outcome": outcome, "error": str(err)}
                         owed.append((wire.header(wire.END, end), time.monotonic() + s.word_timeout))
