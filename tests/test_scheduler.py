@@ -169,3 +169,38 @@ def test_a_move_freezes_a_decoding_request_now_and_one_in_its_prompt_after_its_f
     for rid in ("a", "b"):
         s.release_handoff(rid)
     assert s.blocks.num_used == 0
+
+
+def shape_by_definition(batch):
+    """Each sequence judged on its own: a prompt's tokens (or more than one) are prefill, else a decode."""
+    prefilling, tokens, attention, decodes, context = [], 0, 0, 0, 0
+    for s, n in zip(batch.seqs, batch.num_new_tokens):
+        if n > 1 or s.num_computed_tokens < s.num_prompt_tokens:
+            prefilling.append(s.request_id)
+            tokens += n
+            attention += n * s.num_computed_tokens + n * (n + 1) // 2
+        else:
+            decodes += 1
+            context += s.num_computed_tokens + 1
+    return prefilling, tokens, attention, decodes, context
+
+
+def test_a_steps_shape_counted_while_scheduling_is_its_shape_by_definition():
+    """The decodes' context is summed as they are scheduled (the simulator's hot loop); a prompt's
+    last token read alone is prefill, not a decode."""
+    s = make(policy="chunked", chunk=9, blocks=256, max_num_seqs=16)
+    s.add(seq("first", 10, SamplingParams(max_tokens=20, temperature=0)))  # 9 tokens, then its last alone
+    kinds = set()
+    for step in range(40):
+        if step == 2:
+            for i, n in enumerate([5, 9, 10, 3, 30]):
+                s.add(seq(f"r{i}", n, SamplingParams(max_tokens=20, temperature=0)))
+        batch = s.schedule()
+        shape = batch.shape()
+        assert (shape.prefilling, shape.prefill_tokens, shape.prefill_attention, shape.decodes,
+                shape.decode_context) == shape_by_definition(batch)  # fmt: skip
+        singles = batch.seqs[: batch.num_single]
+        kinds |= {"single prefill" if x.num_computed_tokens < x.num_prompt_tokens else "decode" for x in singles}
+        kinds |= {"chunk" for n in batch.num_new_tokens[batch.num_single :] if n > 1}
+        s.postprocess(batch, [7 if w else None for w in batch.samples()])
+    assert kinds == {"single prefill", "decode", "chunk"}

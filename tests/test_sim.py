@@ -291,20 +291,20 @@ def test_profile_and_plan_refuse_what_they_cannot_read(tmp_path, capsys):
 def test_the_replies_only_shortcut_gives_the_same_run_as_the_general_path(mode, monkeypatch):
     """The simulator samples a step of replies only without looking at each one's counts; with
     that shortcut turned off (no batch says its sequences each sample) every time must be equal."""
-    from minipd.engine.scheduler import Scheduler
+    from minipd.engine.scheduler import ScheduledBatch
 
     s = ex.Settings(40, None, 1.0, 5, True, None, None, None, 2000.0, 200.0, False)
     p = profile(num_blocks=48, step=StepCost(**{**{k: getattr(STEP, k) for k in STEP.__slots__}, "noise": [0.9, 1.3]}))
     label, body = ex.parse_mode(mode)
     fast = sim_once(p, "chat", label, body, 4.0, s, 2)
-    schedule = Scheduler.schedule
+    shape = ScheduledBatch.shape
 
-    def general_path_only(self):
-        batch = schedule(self)
-        batch.num_single = -1
-        return batch
+    def general_path_only(self):  # the shape as counted, then no batch says its sequences each sample
+        out = shape(self)
+        self.num_single = -1
+        return out
 
-    monkeypatch.setattr(Scheduler, "schedule", general_path_only)
+    monkeypatch.setattr(ScheduledBatch, "shape", general_path_only)
     general = sim_once(p, "chat", label, body, 4.0, s, 2)
     assert fast["summary"]["completed"] == 40
     assert [r.token_times for r in fast["records"]] == [r.token_times for r in general["records"]]

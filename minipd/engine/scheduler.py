@@ -46,6 +46,8 @@ class ScheduledBatch:
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_single: int = 0  # the first seqs read their one uncomputed token: each of them samples
+    single_context: int = 0  # ... the context the decodes among them attend to, less one each
+    single_prefills: list[int] = field(default_factory=list)  # ... and which of them read a prompt's last token
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -62,8 +64,14 @@ class ScheduledBatch:
     def shape(self) -> StepShape:
         """What the step costs depends on (the simulator's step-time model is fitted on these)."""
         out = StepShape()
-        decode_context = 0
-        for s, n in zip(self.seqs, self.num_new_tokens):
+        seqs, k = self.seqs, self.num_single
+        for i in self.single_prefills:  # the first k were counted as they were scheduled
+            s = seqs[i]
+            out.prefilling.append(s.request_id)
+            out.prefill_tokens += 1
+            out.prefill_attention += s.num_computed_tokens + 1
+        decode_context = self.single_context
+        for s, n in zip(seqs[k:], self.num_new_tokens[k:]):
             computed = s.num_computed_tokens
             if n > 1 or computed < s.num_prompt_tokens:
                 out.prefilling.append(s.request_id)
@@ -71,7 +79,7 @@ class ScheduledBatch:
                 out.prefill_attention += n * computed + n * (n + 1) // 2
             else:
                 decode_context += computed
-        out.decodes = len(self.seqs) - len(out.prefilling)
+        out.decodes = len(seqs) - len(out.prefilling)
         out.decode_context = decode_context + out.decodes
         return out
 
@@ -216,16 +224,25 @@ class Scheduler:
 
     def _add_decodes(self, batch: ScheduledBatch) -> None:
         """A step's first sequences: every running one with one token to read."""
-        # the simulator runs this for every reply and step of a fleet: the common case stays inline
+        # the simulator runs this for every reply and step of a fleet: the common case stays inline,
+        # and the step's shape is counted on the way (ScheduledBatch.shape)
         block_size, running = self.blocks.block_size, SequenceStatus.RUNNING
         seqs, counts = batch.seqs, batch.num_new_tokens
-        for seq in [s for s in self.running if len(s.token_ids) - s.num_computed_tokens == 1]:
-            if seq.status is not running:
-                continue  # preempted earlier in this loop
-            if seq.num_computed_tokens < len(seq.block_table) * block_size or self._grow(seq, 1, batch):
+        context = 0
+        for seq in self.running.copy():  # a copy: _grow may preempt
+            computed = seq.num_computed_tokens
+            num_tokens = len(seq.token_ids)
+            if num_tokens - computed != 1 or seq.status is not running:
+                continue  # more to read (a prompt), or preempted earlier in this loop
+            if computed < len(seq.block_table) * block_size or self._grow(seq, 1, batch):
                 seqs.append(seq)
                 counts.append(1)
+                if num_tokens > seq.num_prompt_tokens:
+                    context += computed
+                else:  # the last token of its prompt
+                    batch.single_prefills.append(len(seqs) - 1)
         batch.num_single = len(seqs)
+        batch.single_context = context
 
     def _admit(self, seq: Sequence, n: int) -> bool:
         need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
