@@ -36,6 +36,7 @@ class TextStream:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.stop_reason: str | None = None  # the stop string that ended the text
 
     @classmethod
     def of(cls, tokenizer, params) -> TextStream:
@@ -58,7 +59,7 @@ class TextStream:
         if found:  # the stop string that appears first ends the reply
             at, s = min(found)
             self.text = self.text[: at + len(s) if self.include_stop else at]
-            self.stopped = True
+            self.stopped, self.stop_reason = True, s
         end = len(self.text) if (final or self.stopped) else max(self.emitted, len(self.text) - self.hold)
         out = self.text[self.emitted : end]
         self.emitted = end

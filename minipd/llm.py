@@ -19,6 +19,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None  # per token, when asked: {token id: logprob}, the sampled one and the best
+    stop_reason: str | int | None = None  # the stop string or stop_token_ids token that ended it (vLLM's)
 
 
 @dataclass(slots=True)
@@ -88,12 +89,14 @@ class LLM:
     def _run(self, token_lists: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         streams: dict[str, TextStream | None] = {}
+        stop_ids: dict[str, list[int]] = {}
         try:
             for ids, p in zip(token_lists, params):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None, None if p.logprobs is None else [])])
                 streams[rid] = TextStream.of(self.tokenizer, p) if self.tokenizer else None
+                stop_ids[rid] = p.stop_token_ids
         except ValueError:
             for rid in results:  # one bad prompt: none of this call's requests stay behind
                 self.engine.abort_request(rid)
@@ -109,16 +112,21 @@ class LLM:
                 if out.logprobs:
                     comp.logprobs += [{**dict(top), t: lp} for t, (lp, top) in zip(out.new_token_ids, out.logprobs)]
                 stream = streams[out.request_id]
+                stop_token = out.finished and out.finish_reason == "stop"  # eos or stop_token_ids
                 if stream is not None:
-                    stop_token = out.finished and out.finish_reason == "stop"  # eos or stop_token_ids
                     comp.text += stream.push(out.new_token_ids, final=out.finished, stop_token=stop_token)
                     if stream.stopped and not out.finished:
                         self.engine.abort_request(out.request_id)
-                        comp.finish_reason = "stop"
+                        comp.finish_reason, comp.stop_reason = "stop", stream.stop_reason
                         bar.update()
                         continue
                 if out.finished:
-                    comp.finish_reason = out.finish_reason
+                    if stream is not None and stream.stopped:  # a stop string in its last tokens, as the server says
+                        comp.finish_reason, comp.stop_reason = "stop", stream.stop_reason
+                    else:
+                        comp.finish_reason = out.finish_reason
+                        if stop_token and out.new_token_ids[-1] in stop_ids[out.request_id]:
+                            comp.stop_reason = out.new_token_ids[-1]
                     bar.update()
         bar.close()
         return list(results.values())

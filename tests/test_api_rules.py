@@ -702,7 +702,7 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(optio
     opts = stream_options({"stream": True, "stream_options": options})
     assert isinstance(opts, StreamOptions) and opts.stream
     async with api_client() as client:
-        state = SimpleNamespace(request_id="chatcmpl-1", prompt_token_ids=[1, 2, 3], deltas=asyncio.Queue(),
+        state = SimpleNamespace(request_id="chatcmpl-1", prompt_token_ids=[1, 2, 3], deltas=asyncio.Queue(), stop_reason=None,
                                 params=SamplingParams())  # fmt: skip
         for delta in (Delta("a", 1), Delta("b", 1, "length")):
             state.deltas.put_nowait(delta)
@@ -788,7 +788,7 @@ async def test_logprobs_come_in_openais_shapes_streamed_or_not(tokenizer, chat):
         api = client.api
 
         def state():
-            s = SimpleNamespace(request_id="r", prompt_token_ids=[1], deltas=asyncio.Queue(),
+            s = SimpleNamespace(request_id="r", prompt_token_ids=[1], deltas=asyncio.Queue(), stop_reason=None,
                                 params=SamplingParams(logprobs=2))  # fmt: skip
             for d in _deltas_with_logprobs(tokenizer):
                 s.deltas.put_nowait(d)

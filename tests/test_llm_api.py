@@ -116,6 +116,18 @@ def test_a_reply_ended_by_a_stop_token_leaves_its_text_out_unless_asked(tokenize
     assert kept == "hi\n"
 
 
+def test_generate_says_which_stop_string_or_token_ended_each_reply(llm):
+    free = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert free.outputs[0].stop_reason is None and free.outputs[0].finish_reason == "length"
+    word = free.outputs[0].text.split()[1]
+    by_string = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0.0, stop=[word]))[0]
+    assert by_string.outputs[0].stop_reason == word and by_string.outputs[0].finish_reason == "stop"
+    third = free.outputs[0].token_ids[2]
+    by_token = llm.generate(["The capital of France is"],
+                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[third]))[0]  # fmt: skip
+    assert by_token.outputs[0].stop_reason == third and by_token.outputs[0].token_ids[-1] == third
+
+
 def test_a_stop_string_within_min_tokens_does_not_stop(tokenizer):
     ids = tokenizer.encode("one two three four three five", add_special_tokens=False)
     stream = TextStream(tokenizer, stop=["three"], min_tokens=3)  # "one", " two", " three": within

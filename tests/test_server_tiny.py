@@ -466,6 +466,25 @@ def test_a_reply_of_several_choices_has_a_timeline_under_its_own_id(server):
     assert all(len(c["token_times"]) == 3 for c in t["choices"])
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_reply(server):
+    """vLLM's stop_reason (it was missing): the stop string, or the stop_token_ids token, or null."""
+    prompt = [5, 17, 300, 42, 8, 99]
+    base = completion(server, prompt, max_tokens=16, ignore_eos=True, logprobs=0)["choices"][0]
+    assert base["stop_reason"] is None and base["finish_reason"] == "length"
+    stop = next(base["text"][i : i + 3] for i in range(len(base["text"]) // 2, len(base["text"])) if base["text"][i : i + 3].strip())
+    assert completion(server, prompt, max_tokens=16, ignore_eos=True, stop=[stop])["choices"][0]["stop_reason"] == stop
+    ids = completion(server, prompt, max_tokens=16, ignore_eos=True, return_tokens_as_token_ids=True, logprobs=0)
+    fifth = int(ids["choices"][0]["logprobs"]["tokens"][4].removeprefix("token_id:"))
+    got = completion(server, prompt, max_tokens=16, ignore_eos=True, stop_token_ids=[fifth])["choices"][0]
+    assert got["stop_reason"] == fifth and got["finish_reason"] == "stop"
+    status, raw = http("POST", server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                                               "ignore_eos": True, "stop": [stop], "stream": True})  # fmt: skip
+    last = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")][-1]["choices"][0]
+    assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+    status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert "stop_reason" in chat["choices"][0]
+
+
 def test_fields_real_clients_send_are_accepted(server):
     status, body = server.post("/v1/chat/completions", {
         "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

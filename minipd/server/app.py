@@ -266,6 +266,7 @@ class Api:
                            for i, (text, end) in enumerate(zip(texts, ends))]  # fmt: skip
         params = states[0].params
         for choice, entries, state in zip(body["choices"], logprobs, states):
+            choice["stop_reason"] = state.stop_reason
             writer = LogprobsWriter(token_text, chat)
             head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if echo is not None and params.logprobs is not None else None
             if params.logprobs is not None:
@@ -339,7 +340,10 @@ class Api:
                     break
                 if d.text or d.finish_reason:
                     text = {"content": d.text} if chat else d.text
-                    await send_chunk(chunk(text if d.text or not chat else {}, d.finish_reason, i), i)
+                    obj = chunk(text if d.text or not chat else {}, d.finish_reason, i)
+                    if d.finish_reason:
+                        obj["choices"][0]["stop_reason"] = states[i].stop_reason
+                    await send_chunk(obj, i)
         if opts.include_usage:
             obj = chunk({}, None)
             obj["choices"] = []

@@ -51,8 +51,11 @@ class Relay:
         if msg.prompt_logprobs is not None and msg.index == 0:
             state.prompt_logprobs = msg.prompt_logprobs
         if state.stream is not None and state.stream.stopped:
+            state.stop_reason = state.stream.stop_reason
             return "stop", text, logprobs
         if msg.finished:
+            if stop_token and msg.token_ids[-1] in state.params.stop_token_ids:  # eos: None, as vLLM
+                state.stop_reason = msg.token_ids[-1]
             return msg.finish_reason, text, logprobs
         state.deltas.put_nowait(Delta(text, len(msg.token_ids), logprobs=logprobs))
         return None, "", None

@@ -57,6 +57,7 @@ class RequestState:
     path: str | None = None  # disagg: "remote" (a prefill worker's) or "local" (its decode worker's own prefill)
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids token that ended it
     events: dict[str, float] = field(default_factory=dict)
     token_times: list[float] = field(default_factory=list)
     prefill_worker: int | None = None  # the last ones that served it, for the timeline
