@@ -34,6 +34,13 @@ class Pool:
         self.sent.append((worker_id, msg))
 
 
+def serving_router(pool: Pool | None = None) -> Router:
+    """A router past its start, over `pool` (two fake workers by default)."""
+    router = Router(pool or Pool(), None, Metrics("m"))
+    router.ready = True
+    return router
+
+
 async def reported(api: Api) -> dict:
     mode = json.loads((await api.get_mode(None)).text)
     assert json.loads((await api.workers(None)).text)["mode"] == mode
@@ -78,9 +85,8 @@ async def test_a_server_starting_into_disagg_reports_disagg_until_it_serves_it()
 async def test_a_client_that_gives_up_mid_switch_never_leaves_workers_and_router_disagreeing():
     """Defect: POST /admin/mode set the workers' roles, then awaited their acks; a client that gave
     up then (aiohttp cancels its handler) left the router in the old mode with re-roled workers."""
-    pool = Pool()
-    router = Router(pool, None, Metrics("m"))
-    router.ready = True
+    router = serving_router()
+    pool = router.pool
     handler = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
     while len(pool.sent) < len(pool.workers):
         await asyncio.sleep(0)
@@ -107,9 +113,8 @@ def test_disagg_shows_the_chunk_its_decode_workers_read_prompts_in_when_it_is_no
 async def test_a_switch_that_would_leave_a_role_only_to_draining_workers_is_refused():
     """Defect: drain worker 1, then switch to 1P1D: worker 1 became the only decode worker, still
     draining, and every new request waited for a resume while /health said ok."""
-    pool = Pool()
-    router = Router(pool, None, Metrics("m"))
-    router.ready = True
+    router = serving_router()
+    pool = router.pool
     pool.workers[1].draining = True
     router.serving.set()
     with pytest.raises(Conflict) as refused:
@@ -210,38 +215,43 @@ class JsonRequest:
         return self.raw
 
 
+async def switch_during_a_switch(first: dict, second: dict) -> Mode:
+    """POST `second` while the switch `first` asked for waits for the workers; both answer; the mode then."""
+    router = serving_router()
+    pool = router.pool
+    api = Api(router, "m", 128)
+    one = asyncio.ensure_future(api.post_mode(JsonRequest(first)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    two = asyncio.ensure_future(api.post_mode(JsonRequest(second)))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not two.done()  # it waits for the switch under way
+    for _ in range(2):  # the first switch's acks, then the second's
+        sent, pool.sent = pool.sent, []
+        for worker_id, msg in sent:
+            router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+        while not pool.sent and not two.done():
+            await asyncio.sleep(0)
+    await one, await two
+    return router.mode
+
+
 @pytest.mark.asyncio
 async def test_a_switch_asked_for_during_another_is_read_against_the_mode_that_one_leaves():
     """Defect: a body was resolved against the mode when it arrived, not when it was applied: during
     a switch to chunked:64, {"mode": "disagg"} (chunk_tokens omitted: kept) was read against
     colocated, and disagg came with chunk_tokens 512, not the 64 the server then had."""
-    pool = Pool()
-    router = Router(pool, None, Metrics("m"))
-    router.ready = True
-    api = Api(router, "m", 128)
-    first = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "chunked", "chunk_tokens": 64})))
-    while len(pool.sent) < len(pool.workers):
-        await asyncio.sleep(0)
-    second = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "disagg"})))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    for _ in range(2):  # the first switch's acks, then the second's
-        sent, pool.sent = pool.sent, []
-        for worker_id, msg in sent:
-            router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
-        while not pool.sent and not second.done():
-            await asyncio.sleep(0)
-    await first, await second
-    assert router.mode == Mode("disagg", 1, 1, chunk_tokens=64)
+    mode = await switch_during_a_switch({"mode": "chunked", "chunk_tokens": 64}, {"mode": "disagg"})
+    assert mode == Mode("disagg", 1, 1, chunk_tokens=64)
 
 
 @pytest.mark.asyncio
 async def test_a_switch_that_fails_says_so_in_the_event_feed():
     """Defect: a switch that failed (a worker refused its role, or the roles could not be sent)
     left its "switch" event without an end, and the page showed it under way for good."""
-    pool = Pool()
-    router = Router(pool, None, Metrics("m"))
-    router.ready = True
+    router = serving_router()
+    pool = router.pool
     switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
     while len(pool.sent) < len(pool.workers):
         await asyncio.sleep(0)
@@ -264,22 +274,5 @@ async def test_a_switch_that_fails_says_so_in_the_event_feed():
 async def test_a_body_without_a_mode_sent_during_a_switch_is_judged_by_the_mode_that_switch_leaves():
     """Defect: during a switch to disagg, {"prefill_workers": 1, "decode_workers": 1} was refused at
     once, judged against colocated (the mode served when it arrived)."""
-    pool = Pool()
-    router = Router(pool, None, Metrics("m"))
-    router.ready = True
-    api = Api(router, "m", 128)
-    first = asyncio.ensure_future(api.post_mode(JsonRequest(DISAGG)))
-    while len(pool.sent) < len(pool.workers):
-        await asyncio.sleep(0)
-    second = asyncio.ensure_future(api.post_mode(JsonRequest({"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 64})))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert not second.done()
-    for _ in range(2):
-        sent, pool.sent = pool.sent, []
-        for worker_id, msg in sent:
-            router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
-        while not pool.sent and not second.done():
-            await asyncio.sleep(0)
-    await first, await second
-    assert router.mode == Mode("disagg", 1, 1, chunk_tokens=64)
+    mode = await switch_during_a_switch(DISAGG, {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 64})
+    assert mode == Mode("disagg", 1, 1, chunk_tokens=64)
