@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from minipd.sampling_params import SamplingParams
 from minipd.server.app import Api
 from minipd.server.browser_guard import BrowserGuard
+from minipd.server.choices import Reply
 from minipd.server.metrics import Metrics
 from minipd.server.router import Router
 from minipd.server.worker_pool import WorkerPool
@@ -26,6 +27,10 @@ from minipd.server.worker_pool import WorkerPool
 pytestmark = pytest.mark.asyncio
 EVIL = "http://evil.example"
 MAX_MODEL_LEN = 2048
+
+
+def reply_of(api: Api, states: list, chat: bool) -> Reply:
+    return Reply("r", states, chat, [None] * len(states), api._token_text, sum(len(s.prompt_token_ids) for s in states))
 
 
 @asynccontextmanager
@@ -205,6 +210,9 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"best_of": 2}, "best_of"),
     ({"prompt": [1] * 5000}, "prompt"),
     ({"prompt": [1] * 100_000 + ["x"]}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"prompt": ["a", [1, 2]]}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"), ({"prompt": [[1, 2], [True]]}, "prompt"), ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": ["a", "b"], "n": 40}, "n"),  # more than 64 replies in all
     # wrong types that happen to be falsy were taken as "not set" (defect)
     ({"stop": 0}, "stop"), ({"stop": False}, "stop"), ({"stop": {}}, "stop"),
     ({"stop_token_ids": ""}, "stop_token_ids"), ({"stop_token_ids": {}}, "stop_token_ids"),
@@ -714,7 +722,7 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(optio
         def chunk(delta, finish_reason, index=0):
             return chat_chunk("chatcmpl-1", "tiny", 0, delta, finish_reason)
 
-        await client.api._stream_deltas([state], send, chunk, True, opts)
+        await client.api._stream_deltas(reply_of(client.api, [state], True), send, chunk, opts)
     assert sent[-1] == b"[DONE]"
     got = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) if c.get("usage") else None for c in sent[:-1]]
     assert got == usages
@@ -794,7 +802,7 @@ async def test_logprobs_come_in_openais_shapes_streamed_or_not(tokenizer, chat):
                 s.deltas.put_nowait(d)
             return s
 
-        whole = json.loads((await api._collect("r", [state()], chat)).text)["choices"][0]["logprobs"]
+        whole = json.loads((await api._collect(reply_of(api, [state()], chat))).text)["choices"][0]["logprobs"]
         sent = []
 
         async def send(obj):
@@ -803,7 +811,7 @@ async def test_logprobs_come_in_openais_shapes_streamed_or_not(tokenizer, chat):
         def chunk(delta, finish_reason, index=0):
             return (chat_chunk if chat else completion_chunk)("r", "m", 0, delta, finish_reason)
 
-        await api._stream_deltas([state()], send, chunk, chat, StreamOptions(stream=True))
+        await api._stream_deltas(reply_of(api, [state()], chat), send, chunk, StreamOptions(stream=True))
     streamed = [c["choices"][0]["logprobs"] for c in sent[:-1] if c["choices"][0]["logprobs"]]
     assert len(streamed) == 2  # the held-back token's logprobs go with the next text, none is lost
     if chat:

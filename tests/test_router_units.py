@@ -7,6 +7,7 @@ from unittest import mock
 import pytest
 
 from minipd.sampling_params import SamplingParams
+from minipd.server.choices import Reply
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode
 from minipd.server.relay import Relay
@@ -204,7 +205,7 @@ async def test_a_kv_handoff_past_its_lease_ends_as_a_503_timeout_not_a_500():
     state.deltas.put_nowait(delta)
     api = Api(router, "m", 64)
     with pytest.raises(Exception) as failed:
-        await api._collect("r", [state], chat=False)
+        await api._collect(Reply("r", [state], False, [None], api._token_text, len(state.prompt_token_ids)))
     body = failed.value.body()["error"]
     assert failed.value.status == 503 and body["code"] == "kv_handoff_timeout" and body["type"] == "server_error"
 

@@ -485,6 +485,32 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_reply(server)
     assert "stop_reason" in chat["choices"][0]
 
 
+@pytest.mark.asyncio
+async def test_several_prompts_in_one_completions_request_each_get_their_choices(server):
+    """OpenAI's and vLLM's batch of prompts (lm-eval's local-completions sends them): choice
+    index = prompt index * n + choice; usage counts each prompt once. It was refused."""
+    a, b = [5, 17, 300], [42, 8, 99, 7]
+    one_a = completion(server, a, max_tokens=4, ignore_eos=True)["choices"][0]["text"]
+    one_b = completion(server, b, max_tokens=4, ignore_eos=True)["choices"][0]["text"]
+    both = completion(server, [a, b], max_tokens=4, ignore_eos=True, n=2, echo=True)
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    texts = [c["text"] for c in both["choices"]]
+    echo_a, echo_b = (texts[0][: -len(one_a)], texts[2][: -len(one_b)])
+    assert texts == [echo_a + one_a] * 2 + [echo_b + one_b] * 2 and echo_a != echo_b
+    assert both["usage"] == {"prompt_tokens": 7, "completion_tokens": 16, "total_tokens": 23}
+    status, raw = await asyncio.to_thread(http, "POST", server.url + "/v1/completions", {
+        "prompt": [a, b], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    streamed = ["", ""]
+    for c in chunks:
+        for choice in c["choices"]:
+            streamed[choice["index"]] += choice["text"]
+    assert status == 200 and streamed == [one_a, one_b] and chunks[-1]["usage"]["prompt_tokens"] == 7
+    status, texts = server.post("/v1/completions", {"prompt": ["Hello there", "Bye"], "max_tokens": 2})
+    assert status == 200 and len(texts["choices"]) == 2
+
+
 def test_fields_real_clients_send_are_accepted(server):
     status, body = server.post("/v1/chat/completions", {
         "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

@@ -21,7 +21,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
-from minipd.server.choices import choice_params, deltas_of
+from minipd.server.choices import Reply, choice_params, deltas_of
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
@@ -185,14 +185,16 @@ class Api:
         body = await self._body(request)
         keep = p.truncate_prompt_tokens(body, self.max_model_len)
         special = p.flag(body, "add_special_tokens", True)
-        prompt = p.completion_prompt(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
-        text = prompt if isinstance(prompt, str) else None
-        if isinstance(prompt, str):
-            tokenizer = self._tokenizer()
-            prompt = await self._off_loop(len(prompt), tokenizer.encode, prompt, special)
-        if keep is not None and len(prompt) > keep:  # echo then shows the tokens kept
-            prompt, text = prompt[-keep:], None
-        return await self._serve(request, body, prompt, chat=False, prompt_text=text)
+        prompts, texts = [], []
+        for prompt in p.completion_prompts(body, self.max_model_len, self.max_token_chars, truncated=keep is not None):
+            text = prompt if isinstance(prompt, str) else None
+            if text is not None:
+                prompt = await self._off_loop(len(text), self._tokenizer().encode, text, special)
+            if keep is not None and len(prompt) > keep:  # echo then shows the tokens kept
+                prompt, text = prompt[-keep:], None
+            prompts.append(prompt)
+            texts.append(text)
+        return await self._serve(request, body, prompts, chat=False, prompt_texts=texts)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -201,7 +203,7 @@ class Api:
         messages = p.chat_messages(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
         num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
         ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
-        return await self._serve(request, body, ids[-keep:] if keep is not None else ids, chat=True)
+        return await self._serve(request, body, [ids[-keep:] if keep is not None else ids], chat=True)
 
     async def _off_loop(self, num_chars: int, fn, *args):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
@@ -209,7 +211,9 @@ class Api:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, fn, *args)
 
-    async def _serve(self, request, body, ids: list[int], chat: bool, prompt_text: str | None = None) -> web.StreamResponse:
+    async def _serve(self, request, body, prompts: list[list[int]], chat: bool,
+                     prompt_texts: list[str | None] | None = None) -> web.StreamResponse:  # fmt: skip
+        """prompts: token ids (completions may bring several); prompt_texts: each as given, if text."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError("'model' must be a string", param="model")
@@ -217,38 +221,44 @@ class Api:
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
         prompt_param = "messages" if chat else "prompt"
-        if len(ids) >= self.max_model_len:
-            raise p.context_error(self.max_model_len, prompt_param, f"{len(ids)} tokens")
         vocab = len(self.tokenizer) if self.tokenizer else None
-        if vocab and any(t < 0 or t >= vocab for t in ids):
-            raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
+        for ids in prompts:
+            if len(ids) >= self.max_model_len:
+                raise p.context_error(self.max_model_len, prompt_param, f"{len(ids)} tokens")
+            if vocab and any(t < 0 or t >= vocab for t in ids):
+                raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
         opts = p.stream_options(body)
         default = self.default_max_tokens if chat else 16
-        params = p.sampling_params(body, default, self.max_model_len, len(ids), prompt_param, vocab or p.INT64, chat)
-        num = p.num_choices(body)
+        longest = max(map(len, prompts))
+        params = p.sampling_params(body, default, self.max_model_len, longest, prompt_param, vocab or p.INT64, chat)
+        num = p.num_choices(body, len(prompts))
         token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
-        echo = None  # completions' echo: the prompt's text, as given (or its tokens decoded)
+        echoes = [None] * len(prompts)  # completions' echo: each prompt's text, as given (or its tokens decoded)
         if body.get("echo"):
-            echo = prompt_text if prompt_text is not None else self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
+            texts = prompt_texts or [None] * len(prompts)
+            echoes = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+                      if self.tokenizer else "" for ids, text in zip(prompts, texts)]  # fmt: skip
         rid = p.new_id("chatcmpl" if chat else "cmpl")
-        states = []
+        total = num * len(prompts)
+        reply = Reply(rid, [], chat, [echo for echo in echoes for _ in range(num)], token_text,
+                      sum(map(len, prompts)))  # fmt: skip
         try:
-            for i in range(num):  # every choice a request of its own; the first keeps the reply's id
-                states.append(self.router.submit(rid if num == 1 else f"{rid}-{i}", ids, choice_params(params, i)))
+            for index in range(total):  # every choice a request of its own; a lone one keeps the reply's id
+                ids, params_i = prompts[index // num], choice_params(params, index % num)
+                reply.states.append(self.router.submit(rid if total == 1 else f"{rid}-{index}", ids, params_i))
             if opts.stream:
-                return await self._stream(request, rid, states, chat, opts, echo, token_text)
-            return await self._collect(rid, states, chat, echo, token_text)
+                return await self._stream(request, reply, opts)
+            return await self._collect(reply)
         except (asyncio.CancelledError, ConnectionResetError):
             log.debug("client went away; request %s aborted", rid)
             raise
         finally:
-            for state in states:
+            for state in reply.states:
                 if not state.finished:
                     self.router.abort(state.request_id)  # the client went away (or a choice failed): free the blocks
 
-    async def _collect(self, rid: str, states: list, chat: bool, echo: str | None = None,
-                       token_text=None) -> web.Response:  # fmt: skip
-        token_text = token_text or self._token_text
+    async def _collect(self, reply: Reply) -> web.Response:
+        states, chat = reply.states, reply.chat
         texts, counts, ends = [""] * len(states), [0] * len(states), [None] * len(states)
         logprobs = [[] for _ in states]
         async with aclosing(deltas_of(states)) as deltas:
@@ -259,15 +269,15 @@ class Api:
                 if d.error:
                     raise ApiError(d.error, d.error_status, type_="server_error", code=d.error_code)
                 ends[i] = d.finish_reason or ends[i]
-        use = p.usage(len(states[0].prompt_token_ids), sum(counts))
+        use = p.usage(reply.prompt_tokens, sum(counts))
         make = p.chat_response if chat else p.completion_response
-        body = make(rid, self.model_name, p.now(), texts[0], ends[0], use)
-        body["choices"] = [make(rid, self.model_name, 0, text, end, use)["choices"][0] | {"index": i}
+        body = make(reply.rid, self.model_name, p.now(), texts[0], ends[0], use)
+        body["choices"] = [make(reply.rid, self.model_name, 0, text, end, use)["choices"][0] | {"index": i}
                            for i, (text, end) in enumerate(zip(texts, ends))]  # fmt: skip
         params = states[0].params
-        for choice, entries, state in zip(body["choices"], logprobs, states):
+        for choice, entries, state, echo in zip(body["choices"], logprobs, states, reply.echoes):
             choice["stop_reason"] = state.stop_reason
-            writer = LogprobsWriter(token_text, chat)
+            writer = LogprobsWriter(reply.token_text, chat)
             head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if echo is not None and params.logprobs is not None else None
             if params.logprobs is not None:
                 choice["logprobs"] = writer(entries)
@@ -286,8 +296,7 @@ class Api:
             return token_id_text(token_id)  # as vLLM without a tokenizer
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _stream(self, request, rid: str, states: list, chat: bool, opts: p.StreamOptions,
-                      echo: str | None, token_text) -> web.StreamResponse:  # fmt: skip
+    async def _stream(self, request, reply: Reply, opts: p.StreamOptions) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         created = p.now()
 
@@ -296,29 +305,28 @@ class Api:
             await resp.write(b"data: " + data + b"\n\n")
 
         def chunk(delta, finish_reason, index: int = 0):
-            make = p.chat_chunk if chat else p.completion_chunk
-            obj = make(rid, self.model_name, created, delta, finish_reason)
+            make = p.chat_chunk if reply.chat else p.completion_chunk
+            obj = make(reply.rid, self.model_name, created, delta, finish_reason)
             obj["choices"][0]["index"] = index
             return obj
 
         try:
             await resp.prepare(request)
-            await self._stream_deltas(states, send, chunk, chat, opts, echo, token_text)
+            await self._stream_deltas(reply, send, chunk, opts)
             await resp.write_eof()
         except ConnectionResetError:  # the client went away mid-stream; _serve frees the request
-            log.debug("client of %s went away", rid)
+            log.debug("client of %s went away", reply.rid)
         return resp
 
-    async def _stream_deltas(self, states: list, send, chunk, chat: bool, opts: p.StreamOptions,
-                             echo: str | None = None, token_text=None) -> None:  # fmt: skip
-        token_text = token_text or self._token_text
+    async def _stream_deltas(self, reply: Reply, send, chunk, opts: p.StreamOptions) -> None:
+        states, chat = reply.states, reply.chat
         counts = [0] * len(states)
-        writers = [LogprobsWriter(token_text, chat) if s.params.logprobs is not None else None for s in states]
+        writers = [LogprobsWriter(reply.token_text, chat) if s.params.logprobs is not None else None for s in states]
         logprobs = [[] for _ in states]  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
 
         async def send_chunk(obj: dict, index: int) -> None:
             if opts.continuous_usage:
-                obj["usage"] = p.usage(len(states[0].prompt_token_ids), sum(counts))
+                obj["usage"] = p.usage(reply.prompt_tokens, sum(counts))
             if writers[index] is not None and logprobs[index]:
                 obj["choices"][0]["logprobs"] = writers[index](logprobs[index])
                 logprobs[index].clear()
@@ -332,7 +340,7 @@ class Api:
             async for i, d in deltas:
                 if not started[i] and not d.error:  # the prompt's part comes first: known once its first token is
                     started[i] = True
-                    await self._stream_prompt(states[i], i, send, chunk, chat, echo, writers[i], token_text)
+                    await self._stream_prompt(reply, i, send, chunk, writers[i])
                 counts[i] += d.num_tokens
                 logprobs[i] += d.logprobs or []
                 if d.error:
@@ -347,15 +355,15 @@ class Api:
         if opts.include_usage:
             obj = chunk({}, None)
             obj["choices"] = []
-            obj["usage"] = p.usage(len(states[0].prompt_token_ids), sum(counts))
+            obj["usage"] = p.usage(reply.prompt_tokens, sum(counts))
             timelines = [self.router.timeline(s.request_id) for s in states]
             obj.update({"timeline": timelines[0]} if len(states) == 1 else {"timelines": timelines})
             await send(obj)
         await send(b"[DONE]")
 
-    async def _stream_prompt(self, state, index: int, send, chunk, chat: bool, echo: str | None, writer,
-                             token_text) -> None:  # fmt: skip
+    async def _stream_prompt(self, reply: Reply, index: int, send, chunk, writer) -> None:
         """Completions' echo (the prompt's text, and its tokens' logprobs), and prompt_logprobs if asked."""
+        state, echo, chat = reply.states[index], reply.echoes[index], reply.chat
         params = state.params
         if echo is None and params.prompt_logprobs is None:
             return

@@ -1,14 +1,27 @@
-"""The replies of one request (OpenAI's n choices): each is a request of its own to the router;
-their deltas are read here as one sequence, in the order they come."""
+"""The replies of one request (OpenAI's n choices, for each of its prompts): each is a request of
+its own to the router; their deltas are read here as one sequence, in the order they come."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from minipd.sampling_params import SamplingParams
 from minipd.server.request_state import Delta, RequestState
+
+
+@dataclass(slots=True)
+class Reply:
+    """One HTTP request's choices, in OpenAI's order: choice index = prompt index * n + choice."""
+
+    rid: str
+    states: list[RequestState]
+    chat: bool
+    echoes: list[str | None]  # per choice: completions' echo (its prompt's text), or None
+    token_text: Callable[[int], str]  # how logprobs name a token
+    prompt_tokens: int  # the usage's: each prompt counted once, however many choices it has
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

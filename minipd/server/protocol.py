@@ -151,12 +151,16 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return out or None
 
 
-def num_choices(body: dict) -> int:
-    """n: how many replies to the one prompt (best_of, if given, must be n: none is dropped here)."""
+def num_choices(body: dict, num_prompts: int = 1) -> int:
+    """n: how many replies to each prompt (best_of, if given, must be n: none is dropped here); at
+    most MAX_CHOICES replies in all."""
     n = body.get("n")
     if n is not None and (type(n) is not int or not 1 <= n <= MAX_CHOICES):  # true == 1 in Python
         raise ApiError(f"'n' must be an integer between 1 and {MAX_CHOICES}", param="n")
     n = n or 1
+    if n * num_prompts > MAX_CHOICES:
+        raise ApiError(f"{num_prompts} prompts with n = {n} make {n * num_prompts} replies; at most {MAX_CHOICES} "
+                       "in one request", param="n")  # fmt: skip
     best_of = body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of != n):
         raise ApiError("'best_of' other than n is not supported (every reply is returned)", param="best_of")
@@ -251,14 +255,23 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def completion_prompt(body: dict, max_model_len: int, max_token_chars: int, truncated: bool = False) -> str | list[int]:
-    """The prompt as text (still to be tokenized) or as token ids, refused early when it cannot fit
-    (unless `truncated`: it is cut to its last tokens; the body's size still bounds it)."""
+def completion_prompts(body: dict, max_model_len: int, max_token_chars: int,
+                       truncated: bool = False) -> list[str | list[int]]:  # fmt: skip
+    """The prompts (OpenAI's: a string, token ids, or a list of either, up to MAX_CHOICES), each as
+    text (still to be tokenized) or token ids, refused early when it cannot fit (unless `truncated`:
+    cut to its last tokens; the body's size still bounds it)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(x, str) for x in prompt) \
+            or isinstance(prompt, list) and prompt and all(isinstance(x, list) for x in prompt):  # fmt: skip
+        if len(prompt) > MAX_CHOICES:
+            raise ApiError(f"'prompt' holds {len(prompt)} prompts; at most {MAX_CHOICES} in one request", param="prompt")
+        return [_one_prompt(x, max_model_len, max_token_chars, truncated) for x in prompt]
+    return [_one_prompt(prompt, max_model_len, max_token_chars, truncated)]
+
+
+def _one_prompt(prompt, max_model_len: int, max_token_chars: int, truncated: bool) -> str | list[int]:
     if truncated:
         max_model_len = INT64
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError("'prompt' must not be empty", param="prompt")
@@ -268,7 +281,7 @@ def completion_prompt(body: dict, max_model_len: int, max_token_chars: int, trun
         raise context_error(max_model_len, "prompt", f"{len(prompt)} tokens")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    raise ApiError("'prompt' must be a non-empty string or a list of token ids (one prompt per request)",
+    raise ApiError("'prompt' must be a non-empty string, a list of token ids, or a list of either",
                    param="prompt")  # fmt: skip
 
 
