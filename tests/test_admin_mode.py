@@ -184,6 +184,11 @@ def test_a_setting_of_another_mode_does_not_come_back_unseen_after_a_switch_thro
     assert requested_mode({"mode": "disagg"}, requested_mode({"mode": "colocated"}, local)).local_prefill_tokens == 0
 
 
+def test_a_null_link_latency_is_none_as_a_null_rate_is_unpaced():
+    """Defect: kv_link_gbps null was taken (unpaced) but kv_link_latency_ms null was a 400."""
+    assert requested_mode({"mode": "disagg", "kv_link_latency_ms": None}, Mode(kv_link_latency_ms=5.0)).kv_link_latency_ms == 0
+
+
 def test_an_emulated_link_shows_in_every_mode_since_moves_cross_it_in_every_mode():
     slow = requested_mode({"mode": "colocated", "kv_link_gbps": 1.0, "kv_link_latency_ms": 2}, Mode())
     assert slow.as_dict() == {"mode": "colocated", "kv_link_gbps": 1.0, "kv_link_latency_ms": 2}

@@ -247,7 +247,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"skip_special_tokens": 0}, "skip_special_tokens"), ({"add_special_tokens": "no"}, "add_special_tokens"),
     ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
-    ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2**70}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2049}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2**70}, "truncate_prompt_tokens"),
     ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"),
     ({"model": 5}, "model"), ({"model": ["tiny"]}, "model"),  # was a 404 model_not_found (defect)
 ])  # fmt: skip

@@ -10,6 +10,7 @@ from minipd.sampling_params import SamplingParams
 from minipd.server.choices import Reply
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode
+from minipd.server.moves import summary
 from minipd.server.relay import Relay
 from minipd.server.request_state import Placement, RequestState
 from minipd.server.router import Router
@@ -222,3 +223,60 @@ async def test_a_kv_handoff_that_failed_on_a_worker_is_a_503_and_other_worker_er
         delta = state.deltas.get_nowait()
         ends[rid] = (delta.error_status, delta.error_code)
     assert ends == {"a": (503, "kv_handoff_failed"), "b": (500, None)}
+
+
+@pytest.mark.asyncio
+async def test_a_request_is_marked_dispatched_before_its_worker_can_report_on_it():
+    """Defect: 'dispatched' was stamped after the send returned, so a fast worker's prefill_start
+    could come before it in the timeline."""
+    pool = FakePool(["both"])
+    seen = []
+    send = pool.send
+    pool.send = lambda worker_id, msg: seen.append(dict(state.events)) or send(worker_id, msg)
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    await placed(router)
+    assert "dispatched" in seen[0] and seen[0]["dispatched"] == state.events["dispatched"]
+
+
+@pytest.mark.asyncio
+async def test_moves_still_under_way_when_a_switch_stops_waiting_are_counted_not_dropped():
+    """Defect: a switch that stopped waiting for its moves reported moved 0, not_moved 0 while two
+    were under way (and then failed)."""
+    router = serving_router(FakePool(["both", "both"]))
+    state = router.submit("r", [1, 2, 3], SamplingParams(max_tokens=2))
+
+    async def forever(state, reason):
+        await asyncio.sleep(3600)
+
+    router.mover.move = forever
+    records = await router.mover.move_all([state], "switch", 0.01)
+    assert [x.outcome for x in records] == ["under_way"] and summary(records)["not_moved"] == 1
+    for task in list(router.tasks):
+        task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_the_mode_report_names_the_replies_a_switch_is_still_moving():
+    """Defect: while a switch's moves ran (10 s on a slow link), GET /admin/mode showed the new mode
+    and the previous switch, with nothing to say this one was not over."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    router.mover.misplaced = lambda: [state]
+    moving = asyncio.Event()
+
+    async def slow_move(state, reason):
+        moving.set()
+        await asyncio.sleep(3600)
+
+    router.mover.move = slow_move
+    switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
+    for worker_id, msg in await sent(pool, m.SetMode):
+        router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+    await asyncio.wait_for(moving.wait(), 5)
+    report = router.mode_report()
+    assert report["mode"] == "disagg" and report["moving"] == ["r"] and "switching_to" not in report
+    switch.cancel()
+    for task in list(router.tasks):
+        task.cancel()

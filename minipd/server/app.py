@@ -444,12 +444,12 @@ class Api:
                 raise InvalidRequest("'auto' takes no other field: the advisor chooses them", param=sorted(set(body) - {"mode"})[0])
             self.router.advisor.enable()
             return web.json_response(self.router.mode_report())
-        for field in LINK_SETTINGS:
-            if body.get(field) and self.kv_transport != "tcp":
-                raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
         num_workers = len(self.router.pool.workers)
         if not self.router.switcher.lock.locked():  # refused at once; during a switch, against the mode it leaves
             requested_mode(body, cur).check(num_workers)
+        for field in LINK_SETTINGS:
+            if body.get(field) and self.kv_transport != "tcp":
+                raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)
 
         def resolve(served):
             mode = requested_mode(body, served)

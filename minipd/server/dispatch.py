@@ -92,11 +92,12 @@ class Dispatcher:
         r = self.router
         msg = m.AddRequest(p.key, state.prompt_token_ids, state.params.to_dict(), list(state.output_token_ids),
                            p.reader, seat)  # fmt: skip
+        state.events["dispatched"] = time.time()  # before it goes: the worker's own events may come first
         if not r.pool.send(p.worker, msg):
+            del state.events["dispatched"]
             r.release_holders(state)
             return False
         p.dispatched = True
-        state.events["dispatched"] = time.time()
         return True
 
     async def _pick(self, state: RequestState, role: str):

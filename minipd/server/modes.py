@@ -108,6 +108,8 @@ def requested_mode(body: dict, cur: Mode) -> Mode:
             fields[field] = getattr(cur, field) if applies else default
             continue
         value = body[field]
+        if value is None and field == "kv_link_latency_ms":
+            value = 0.0  # none, as null is no pacing for the rate
         nullable = field in ("workers", "kv_link_gbps")
         kinds = (int,) if field in INTEGER_SETTINGS else (int, float)
         if isinstance(value, bool) or not (isinstance(value, kinds) or (value is None and nullable)):
@@ -141,7 +143,9 @@ class ModeSwitcher:
         self.acks: dict[int, asyncio.Future] = {}
         self.num_switches = 0
         self.last: dict | None = None  # the last switch's outcome
-        self.move_timeout = 60.0  # how long a switch's answer waits for its moves (they go on after)
+        self.moving: list | None = None  # while a switch's moves run: the requests it moves
+        self.move_timeout: float | None = None  # how long a switch's answer waits for its moves (they go on
+        # after; counted as under_way); None: just past a handoff's lease, by which each has ended
 
     async def switch(self, mode: Mode | Callable[[Mode], Mode], drain: bool = False) -> dict:
         """`mode`, or what a function makes of the mode served once the switches before this one
@@ -190,11 +194,16 @@ class ModeSwitcher:
                               "drain_seconds": serving_after})  # fmt: skip
             log.info("minipd: now serving in mode %s", mode.as_dict())
             moves = []
-            for _ in range(3):  # a reply that outgrew its seat on the way is asked again, with a bigger one
-                batch = await r.mover.move_all(r.mover.misplaced(), "switch", self.move_timeout)
-                moves += batch
-                if not any(x.outcome == "refused" for x in batch):
-                    break
+            wait = self.move_timeout if self.move_timeout is not None else r.limits.kv_transfer_timeout + 5.0
+            try:
+                for _ in range(3):  # a reply that outgrew its seat on the way is asked again, with a bigger one
+                    self.moving = r.mover.misplaced()
+                    batch = await r.mover.move_all(self.moving, "switch", wait)
+                    moves += batch
+                    if not any(x.outcome == "refused" for x in batch):
+                        break
+            finally:
+                self.moving = None
             outcome = {"from": old.as_dict(), "to": mode.as_dict(), "changed": True, "drain": drain,
                        "started": started, "serving_after_seconds": serving_after,
                        "seconds": time.time() - started, "requests_in_flight": in_flight, **summary(moves)}  # fmt: skip

@@ -29,7 +29,7 @@ class MoveRecord:
     tokens: int = 0  # KV positions that moved
     bytes: int = 0
     seconds: float | None = None  # seat granted -> KV imported on the target
-    outcome: str | None = None  # moved | refused | no_seat | ended | failed
+    outcome: str | None = None  # moved | refused | no_seat | ended | failed (| under_way: in move_all's answer)
     detail: str | None = None
 
 
@@ -63,7 +63,15 @@ class Mover:
         if not tasks:
             return []
         done, _ = await asyncio.wait(tasks, timeout=timeout)
-        return [t.result() for t in done if not t.cancelled() and t.exception() is None]
+        records = []
+        for task, state in zip(tasks, states):
+            if task not in done:  # it goes on, past the caller's patience: counted, not dropped
+                key = state.placement.key if state.placement else ""
+                records.append(MoveRecord(state.request_id, key, -1, reason, time.time(), outcome="under_way",
+                                          detail=f"not over after {timeout:g} s; its end is in the request's timeline"))  # fmt: skip
+            elif not task.cancelled() and task.exception() is None:
+                records.append(task.result())
+        return records
 
     async def move(self, state, reason: str, target_roles: tuple[str, ...] = DECODE_ROLES) -> MoveRecord:
         rec = await self._move(state, reason, target_roles)

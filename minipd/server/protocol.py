@@ -226,9 +226,9 @@ def truncate_prompt_tokens(body: dict, max_model_len: int) -> int | None:
     k = body.get("truncate_prompt_tokens")
     if k is None:
         return None
-    if type(k) is not int or not (k == -1 or 1 <= k < INT64):
-        raise ApiError("'truncate_prompt_tokens' must be an integer >= 1, or -1 (the context length)",
-                       param="truncate_prompt_tokens")  # fmt: skip
+    if type(k) is not int or not (k == -1 or 1 <= k <= max_model_len):  # as vLLM: no more than the context
+        raise ApiError(f"'truncate_prompt_tokens' must be an integer from 1 to {max_model_len} (the context "
+                       "length), or -1 (the context length)", param="truncate_prompt_tokens")  # fmt: skip
     return max_model_len if k == -1 else k
 
 

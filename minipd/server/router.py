@@ -375,6 +375,8 @@ class Router:
             return {**(self.target or self.mode).as_dict(), "starting": True}
         if self.target is not None:
             return {**self.mode.as_dict(), "switching_to": self.target.as_dict(), **extra}
+        if self.switcher.moving:  # the new mode serves; the switch's moves are under way
+            extra["moving"] = [s.request_id for s in self.switcher.moving if not s.finished]
         return {**self.mode.as_dict(), **extra}
 
     async def drain(self, timeout: float) -> None:
