@@ -10,7 +10,7 @@ from minipd.sampling_params import SamplingParams
 from minipd.server.choices import Reply
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode
-from minipd.server.moves import summary
+from minipd.server.moves import MoveRecord, summary
 from minipd.server.relay import Relay
 from minipd.server.request_state import Placement, RequestState
 from minipd.server.router import Router
@@ -280,3 +280,22 @@ async def test_the_mode_report_names_the_replies_a_switch_is_still_moving():
     switch.cancel()
     for task in list(router.tasks):
         task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_reply_whose_move_failed_is_redone_on_a_decode_worker_not_across_the_link_again():
+    """Defect: a move that timed out on a slow link was redone through a prefill worker, whose
+    handoff crossed the same link and timed out too: the client got an error after 120 s."""
+    pool = FakePool(["prefill", "decode"])
+    router = serving_router(pool)
+    router.mode = Mode("disagg")
+    state = router.requests["r"] = RequestState("r", [1, 2, 3], SamplingParams(max_tokens=8), None)
+    state.output_token_ids = [5, 6]
+    router.assign(state, Placement("r.1", worker=0, reader=1, dispatched=True))
+    router.mover.pending["r.1"] = (MoveRecord("r", "r.1", 0, "switch", time.time()), asyncio.get_running_loop().create_future())
+    state.placement.first_token_at = time.monotonic()
+    with mock.patch("time.monotonic", return_value=time.monotonic() + 3600):
+        router.check_deadlines()
+    assert len(state.redos) == 1 and "move" in state.redos[0]["cause"]
+    [(worker, add)] = await sent(pool, m.AddRequest)
+    assert worker == 1 and add.reader is None and add.output_token_ids == [5, 6] and state.path == "local"

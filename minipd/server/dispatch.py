@@ -55,7 +55,7 @@ class Dispatcher:
 
     async def _disagg(self, state: RequestState) -> bool:
         r = self.router
-        if len(state.prompt_token_ids) + len(state.output_token_ids) < r.mode.local_prefill_tokens:
+        if state.local_only or len(state.prompt_token_ids) + len(state.output_token_ids) < r.mode.local_prefill_tokens:
             return await self._colocated(state, "decode")
         writer = await self._pick(state, "prefill")
         if writer is None or await self._pick(state, "decode") is None:

@@ -55,6 +55,7 @@ class RequestState:
     redos: list[dict] = field(default_factory=list)  # {"time", "cause", "tokens_done"} per redo
     moves: list[dict] = field(default_factory=list)  # moves.MoveRecord fields, per move tried
     path: str | None = None  # disagg: "remote" (a prefill worker's) or "local" (its decode worker's own prefill)
+    local_only: bool = False  # its KV failed to cross once: redone, it is read where it decodes
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_ids token that ended it

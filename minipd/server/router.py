@@ -219,7 +219,7 @@ class Router:
                 p.reader, p.first_token_at = None, None  # it stays where it is; its seat goes back
                 self.mover.finish(p.key, "refused", msg.data.get("reason"))
         elif p.key in self.mover.pending:
-            self.redo(state, f"its move failed on worker {msg.worker_id}: {msg.message}")
+            self.redo(state, f"its move failed on worker {msg.worker_id}: {msg.message}", local=True)
         else:
             log.info("request %s failed on worker %d: %s", state.request_id, msg.worker_id, msg.message)
             status = 503 if msg.code in (m.KV_HANDOFF_FAILED, m.KV_HANDOFF_TIMEOUT) else 500
@@ -318,11 +318,13 @@ class Router:
         self.workers_changed.set()
         self.seats.pump()
 
-    def redo(self, state: RequestState, cause: str) -> None:
+    def redo(self, state: RequestState, cause: str, local: bool = False) -> None:
         """Run the request again from its prompt and the tokens already sent (the client's stream
-        goes on where it was; greedy output is unchanged)."""
+        goes on where it was; greedy output is unchanged). local: its KV failed to cross a link, so
+        in disagg its decode worker reads it itself rather than wait on the link again."""
         if state.finished:
             return
+        state.local_only = state.local_only or local
         if state.placement is not None:
             self.mover.finish(state.placement.key, "failed", cause)
         self.release_holders(state)
@@ -348,7 +350,7 @@ class Router:
                                  "(--request-timeout)", status=503, code="request_timeout")  # fmt: skip
             elif p is not None and p.first_token_at and now - p.first_token_at > lease:
                 if p.key in self.mover.pending:
-                    self.redo(state, f"its move did not finish within {lease:g} s")
+                    self.redo(state, f"its move did not finish within {lease:g} s", local=True)
                 else:
                     self.fail(state, f"the KV handoff did not finish within {lease:g} s (--kv-transfer-timeout)",
                               status=503, code="kv_handoff_timeout")  # fmt: skip
