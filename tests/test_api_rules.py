@@ -757,7 +757,7 @@ async def test_a_message_without_content_is_refused_unless_it_is_the_assistants(
     ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
-    ({"echo": True}, "echo"),  # a field of completions
+    ({"echo": "yes"}, "echo"),
 ])  # fmt: skip
 async def test_chat_logprobs_are_a_boolean_and_top_logprobs_need_them(tokenizer, extra, param):
     async with api_client(tokenizer) as client:

@@ -511,6 +511,22 @@ async def test_several_prompts_in_one_completions_request_each_get_their_choices
     assert status == 200 and len(texts["choices"]) == 2
 
 
+def test_chat_echo_prepends_the_last_message_when_it_is_the_assistants(server):
+    """vLLM's chat echo (it was refused): the reply starts with the last message's content when that
+    message is the assistant's (the reply continues its role); otherwise nothing is echoed."""
+    kw = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    said = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! I am"}]
+    plain = server.post("/v1/chat/completions", {"messages": said, **kw})[1]["choices"][0]["message"]["content"]
+    echoed = server.post("/v1/chat/completions", {"messages": said, "echo": True, **kw})[1]
+    assert echoed["choices"][0]["message"]["content"] == "Hello! I am" + plain
+    asked = [{"role": "user", "content": "hi"}]
+    alone = server.post("/v1/chat/completions", {"messages": asked, **kw})[1]["choices"][0]["message"]["content"]
+    assert server.post("/v1/chat/completions", {"messages": asked, "echo": True, **kw})[1]["choices"][0]["message"]["content"] == alone
+    status, raw = http("POST", server.url + "/v1/chat/completions", {"messages": said, "echo": True, "stream": True, **kw})
+    parts = [json.loads(line[6:])["choices"][0]["delta"] for line in raw.split("\n") if line.startswith("data: {")]
+    assert status == 200 and "".join(d.get("content") or "" for d in parts) == "Hello! I am" + plain
+
+
 def test_fields_real_clients_send_are_accepted(server):
     status, body = server.post("/v1/chat/completions", {
         "model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],

@@ -194,7 +194,11 @@ class Api:
                 prompt, text = prompt[-keep:], None
             prompts.append(prompt)
             texts.append(text)
-        return await self._serve(request, body, prompts, chat=False, prompt_texts=texts)
+        echoes = [None] * len(prompts)  # echo: each prompt's text, as given (or its tokens decoded)
+        if p.flag(body, "echo"):
+            echoes = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+                      if self.tokenizer else "" for ids, text in zip(prompts, texts)]  # fmt: skip
+        return await self._serve(request, body, prompts, chat=False, echoes=echoes)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -203,7 +207,9 @@ class Api:
         messages = p.chat_messages(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
         num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
         ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
-        return await self._serve(request, body, [ids[-keep:] if keep is not None else ids], chat=True)
+        last = messages[-1]  # vLLM's echo: the reply continues the assistant's last message, shown first
+        echo = last["content"] if p.flag(body, "echo") and last["role"] == "assistant" else None
+        return await self._serve(request, body, [ids[-keep:] if keep is not None else ids], chat=True, echoes=[echo])
 
     async def _off_loop(self, num_chars: int, fn, *args):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
@@ -212,8 +218,9 @@ class Api:
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, fn, *args)
 
     async def _serve(self, request, body, prompts: list[list[int]], chat: bool,
-                     prompt_texts: list[str | None] | None = None) -> web.StreamResponse:  # fmt: skip
-        """prompts: token ids (completions may bring several); prompt_texts: each as given, if text."""
+                     echoes: list[str | None]) -> web.StreamResponse:  # fmt: skip
+        """prompts: token ids (completions may bring several); echoes: the text each one's replies
+        start with (echo), or None."""
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError("'model' must be a string", param="model")
@@ -233,11 +240,6 @@ class Api:
         params = p.sampling_params(body, default, self.max_model_len, longest, prompt_param, vocab or p.INT64, chat)
         num = p.num_choices(body, len(prompts))
         token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
-        echoes = [None] * len(prompts)  # completions' echo: each prompt's text, as given (or its tokens decoded)
-        if body.get("echo"):
-            texts = prompt_texts or [None] * len(prompts)
-            echoes = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
-                      if self.tokenizer else "" for ids, text in zip(prompts, texts)]  # fmt: skip
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         total = num * len(prompts)
         reply = Reply(rid, [], chat, [echo for echo in echoes for _ in range(num)], token_text,
@@ -278,12 +280,15 @@ class Api:
         for choice, entries, state, echo in zip(body["choices"], logprobs, states, reply.echoes):
             choice["stop_reason"] = state.stop_reason
             writer = LogprobsWriter(reply.token_text, chat)
-            head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if echo is not None and params.logprobs is not None else None
+            scored = echo is not None and params.logprobs is not None and not chat  # completions' echo has logprobs
+            head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if scored else None
             if params.logprobs is not None:
                 choice["logprobs"] = writer(entries)
                 if head is not None:
                     choice["logprobs"] = {k: head[k] + v for k, v in choice["logprobs"].items()}
-            if echo is not None:
+            if echo is not None and chat:
+                choice["message"]["content"] = echo + choice["message"]["content"]
+            elif echo is not None:
                 choice["text"] = echo + choice["text"]
             if params.prompt_logprobs is not None and not chat:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
@@ -362,13 +367,14 @@ class Api:
         await send(b"[DONE]")
 
     async def _stream_prompt(self, reply: Reply, index: int, send, chunk, writer) -> None:
-        """Completions' echo (the prompt's text, and its tokens' logprobs), and prompt_logprobs if asked."""
+        """The echo (completions: the prompt's text, and its tokens' logprobs; chat: the assistant's last
+        message), and prompt_logprobs if asked."""
         state, echo, chat = reply.states[index], reply.echoes[index], reply.chat
         params = state.params
         if echo is None and params.prompt_logprobs is None:
             return
-        obj = chunk(echo or ("" if not chat else {}), None, index)
-        if echo is not None and writer is not None:
+        obj = chunk(({"content": echo} if echo is not None else {}) if chat else echo or "", None, index)
+        if echo is not None and writer is not None and not chat:
             obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_entries())
         if params.prompt_logprobs is not None:
             where = obj if chat else obj["choices"][0]

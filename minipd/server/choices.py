@@ -19,7 +19,7 @@ class Reply:
     rid: str
     states: list[RequestState]
     chat: bool
-    echoes: list[str | None]  # per choice: completions' echo (its prompt's text), or None
+    echoes: list[str | None]  # per choice: the text it starts with (echo: its prompt's; chat: the assistant's), or None
     token_text: Callable[[int], str]  # how logprobs name a token
     prompt_tokens: int  # the usage's: each prompt counted once, however many choices it has
 

@@ -75,10 +75,9 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     a max_tokens that cannot fit in the context is refused, as OpenAI and vLLM do."""
     refuse_unsupported(body)
     logprobs = _logprobs(body, chat)
-    if flag(body, "echo") and chat:
-        raise ApiError("'echo' is a field of completions; chat does not take it", param="echo")
+    flag(body, "echo")
     prompt_logprobs = _number(body, "prompt_logprobs", None, int, low=0, high=MAX_LOGPROBS)
-    if body.get("echo") and logprobs is not None:  # echoed prompt tokens get their logprobs too, as in vLLM
+    if body.get("echo") and logprobs is not None and not chat:  # echoed prompt tokens get theirs too, as in vLLM
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     penalties = {name: _number(body, name, 0.0, low=-2.0, high=2.0) for name in ("presence_penalty", "frequency_penalty")}
     penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, low=0.0, high=MAX_REPETITION_PENALTY)
