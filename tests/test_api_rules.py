@@ -158,6 +158,18 @@ async def test_a_huge_prompt_is_refused_without_tokenizing_it(tokenizer, monkeyp
         assert calls == []
 
 
+async def test_a_batch_is_refused_at_its_first_prompt_too_long_and_names_it(tokenizer, monkeypatch):
+    """Defect: a batch of 64 long prompts was all tokenized (2.3 s) before its first too-long prompt
+    was refused, and the error did not say which one."""
+    calls = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/completions", json={"prompt": ["hi", "a " * 3000, "b " * 3000, "c"]})
+        err = await error_of(resp)
+        assert resp.status == 400 and err["param"] == "prompt" and "prompt 1" in err["message"] and len(calls) == 2
+
+
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     async with api_client(tokenizer, max_model_len=8192) as client:
         text = "the quick brown fox jumps over the lazy dog " * 14000  # 616,000 characters, ~140,000 tokens

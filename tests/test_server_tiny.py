@@ -481,6 +481,8 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_reply(server)
                                                                "ignore_eos": True, "stop": [stop], "stream": True})  # fmt: skip
     last = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")][-1]["choices"][0]
     assert last["finish_reason"] == "stop" and last["stop_reason"] == stop
+    chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1])  # in every chunk, as vLLM
     status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert "stop_reason" in chat["choices"][0]
 

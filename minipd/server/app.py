@@ -186,12 +186,16 @@ class Api:
         keep = p.truncate_prompt_tokens(body, self.max_model_len)
         special = p.flag(body, "add_special_tokens", True)
         prompts, texts = [], []
-        for prompt in p.completion_prompts(body, self.max_model_len, self.max_token_chars, truncated=keep is not None):
+        given = p.completion_prompts(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
+        for i, prompt in enumerate(given):
             text = prompt if isinstance(prompt, str) else None
             if text is not None:
                 prompt = await self._off_loop(len(text), self._tokenizer().encode, text, special)
             if keep is not None and len(prompt) > keep:  # echo then shows the tokens kept
                 prompt, text = prompt[-keep:], None
+            if len(prompt) >= self.max_model_len:  # refused before the batch's next prompts are tokenized
+                which = f"prompt {i} of {len(given)}" if len(given) > 1 else "prompt"
+                raise p.context_error(self.max_model_len, "prompt", f"{len(prompt)} tokens", which)
             prompts.append(prompt)
             texts.append(text)
         echoes = [None] * len(prompts)  # echo: each prompt's text, as given (or its tokens decoded)

@@ -231,9 +231,10 @@ def truncate_prompt_tokens(body: dict, max_model_len: int) -> int | None:
     return max_model_len if k == -1 else k
 
 
-def context_error(max_model_len: int, param: str, what: str) -> ApiError:
-    return ApiError(f"This model's maximum context length is {max_model_len} tokens; the {param} has {what}",
-                    param=param)  # fmt: skip
+def context_error(max_model_len: int, param: str, what: str, which: str | None = None) -> ApiError:
+    """which: how the message names the prompt (default: the param)."""
+    return ApiError(f"This model's maximum context length is {max_model_len} tokens; the {which or param} has "
+                    f"{what}", param=param)  # fmt: skip
 
 
 def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
@@ -349,12 +350,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: str | None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}  # fmt: skip
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": None}]}  # fmt: skip
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: str | None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}  # fmt: skip
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                         "stop_reason": None}]}  # fmt: skip
 
 
 def completion_response(rid, model, created, text, finish_reason, use) -> dict:
