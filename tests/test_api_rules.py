@@ -857,3 +857,29 @@ async def test_min_tokens_reach_the_sampling_params():
     assert sampling_params({}, 16, MAX_MODEL_LEN, 4).min_tokens == 0
     assert sampling_params({"min_p": 0.05}, 16, MAX_MODEL_LEN, 4).min_p == 0.05
     assert sampling_params({"logit_bias": {"5": -100, "7": 2.5}}, 16, MAX_MODEL_LEN, 4).logit_bias == {5: -100, 7: 2.5}
+
+
+async def test_tokenize_and_detokenize_as_vllm_serves_them(tokenizer):
+    """vLLM's /tokenize and /detokenize (they were missing): a prompt or chat messages to token ids
+    as the server itself would read them, and back."""
+    from minipd.server.protocol import chat_messages, chat_prompt
+
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/tokenize", json={"prompt": "Hello world"})
+        got = await resp.json()
+        ids = tokenizer.encode("Hello world")
+        assert resp.status == 200 and got == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                                              "token_strs": None}  # fmt: skip
+        messages = [{"role": "user", "content": "hi"}]
+        chat = await (await client.post("/tokenize", json={"messages": messages, "return_token_strs": True})).json()
+        assert chat["tokens"] == chat_prompt(chat_messages({"messages": messages}, MAX_MODEL_LEN, 16), tokenizer)
+        assert "".join(chat["token_strs"]) == tokenizer.decode(chat["tokens"], skip_special_tokens=False)
+        back = await (await client.post("/detokenize", json={"tokens": ids})).json()
+        assert back == {"prompt": "Hello world"}
+        for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                                  ("/tokenize", {"prompt": "x", "model": "other"}, "model"),
+                                  ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "1"}, "tokens"),
+                                  ("/tokenize", {"prompt": "x", "messages": messages}, "prompt")]:  # fmt: skip
+            resp = await client.post(path, json=body)
+            err = await error_of(resp)
+            assert resp.status in (400, 404) and err["param"] == param, (path, body, err)

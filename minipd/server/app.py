@@ -163,6 +163,8 @@ class Api:
         app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),  # ids may hold a '/' (org/name)
             web.get("/health", self.health),
@@ -221,16 +223,50 @@ class Api:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, fn, *args)
 
-    async def _serve(self, request, body, prompts: list[list[int]], chat: bool,
-                     echoes: list[str | None]) -> web.StreamResponse:  # fmt: skip
-        """prompts: token ids (completions may bring several); echoes: the text each one's replies
-        start with (echo), or None."""
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a prompt, or chat messages, as the token ids the server would read."""
+        body = await self._body(request)
+        self._check_model(body)
+        if ("prompt" in body) == ("messages" in body):
+            raise ApiError("/tokenize takes a 'prompt' (a string) or 'messages', one of them", param="prompt")
+        if "messages" in body:
+            messages = p.chat_messages(body, self.max_model_len, self.max_token_chars)
+            num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
+            special = p.flag(body, "add_special_tokens", False)
+            ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
+        else:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ApiError("'prompt' must be a string", param="prompt")
+            p.check_text(prompt, "prompt")
+            special = p.flag(body, "add_special_tokens", True)
+            ids = await self._off_loop(len(prompt), self._tokenizer().encode, prompt, special)
+        strs = [self._token_text(t) for t in ids] if p.flag(body, "return_token_strs") else None
+        return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: token ids to text (special tokens left out, as a reply's text)."""
+        body = await self._body(request)
+        self._check_model(body)
+        tokens, vocab = body.get("tokens"), len(self._tokenizer())
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+            raise ApiError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
+        text = await self._off_loop(4 * len(tokens), self.tokenizer.decode, tokens)  # a long list: off the loop
+        return web.json_response({"prompt": text})
+
+    def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError("'model' must be a string", param="model")
         if model not in (None, self.model_name):
             raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
+
+    async def _serve(self, request, body, prompts: list[list[int]], chat: bool,
+                     echoes: list[str | None]) -> web.StreamResponse:  # fmt: skip
+        """prompts: token ids (completions may bring several); echoes: the text each one's replies
+        start with (echo), or None."""
+        self._check_model(body)
         prompt_param = "messages" if chat else "prompt"
         vocab = len(self.tokenizer) if self.tokenizer else None
         for ids in prompts:
