@@ -89,14 +89,12 @@ class LLM:
     def _run(self, token_lists: list[list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         streams: dict[str, TextStream | None] = {}
-        stop_ids: dict[str, list[int]] = {}
         try:
             for ids, p in zip(token_lists, params):
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, ids, p)
                 results[rid] = RequestOutput(rid, ids, [CompletionOutput(0, "", [], None, None if p.logprobs is None else [])])
                 streams[rid] = TextStream.of(self.tokenizer, p) if self.tokenizer else None
-                stop_ids[rid] = p.stop_token_ids
         except ValueError:
             for rid in results:  # one bad prompt: none of this call's requests stay behind
                 self.engine.abort_request(rid)
@@ -125,8 +123,7 @@ class LLM:
                         comp.finish_reason, comp.stop_reason = "stop", stream.stop_reason
                     else:
                         comp.finish_reason = out.finish_reason
-                        if stop_token and out.new_token_ids[-1] in stop_ids[out.request_id]:
-                            comp.stop_reason = out.new_token_ids[-1]
+                        comp.stop_reason = out.stop_reason
                     bar.update()
         bar.close()
         return list(results.values())

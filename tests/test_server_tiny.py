@@ -485,6 +485,11 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_the_reply(server)
     assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1])  # in every chunk, as vLLM
     status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert "stop_reason" in chat["choices"][0]
+    eos = 2  # the default tokenizer's <|im_end|>: eos stops first, as vLLM checks it first (then stop_reason is null)
+    both = completion(server, prompt, max_tokens=4, logit_bias={str(eos): 100}, stop_token_ids=[eos])["choices"][0]
+    assert both["finish_reason"] == "stop" and both["stop_reason"] is None
+    ignored = completion(server, prompt, max_tokens=4, logit_bias={str(eos): 100}, stop_token_ids=[eos], ignore_eos=True)
+    assert ignored["choices"][0]["stop_reason"] == eos
 
 
 @pytest.mark.asyncio

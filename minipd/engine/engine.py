@@ -26,6 +26,7 @@ class StepOutput:
     index: int = 0  # how many output tokens the request had before these
     logprobs: list | None = None  # per new token, when the request asked: sampler.logprobs's entry
     prompt_logprobs: list | None = None  # with a request's first token, when it asked: Sequence.prompt_logprobs
+    stop_reason: int | None = None  # finished by a stop_token_ids token: it (Sequence.stop_reason)
 
 
 @dataclass(slots=True)
@@ -123,7 +124,8 @@ class Engine:
             StepOutput(seq.request_id, [token], seq.is_finished, seq.finish_reason,
                        handoff=seq.status is SequenceStatus.HANDOFF, index=seq.num_output_tokens - 1,
                        logprobs=[sampled_logprobs[i]] if sampled_logprobs and sampled_logprobs[i] else None,
-                       prompt_logprobs=seq.prompt_logprobs if seq.num_output_tokens == 1 else None)
+                       prompt_logprobs=seq.prompt_logprobs if seq.num_output_tokens == 1 else None,
+                       stop_reason=seq.stop_reason)
             for i, (seq, token) in enumerate(zip(batch.seqs, sampled)) if token is not None
         ]  # fmt: skip
         stats.scheduled = len(batch.seqs)

@@ -297,6 +297,7 @@ class Scheduler:
             num_tokens = len(token_ids)
             if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
                 reason = "stop"
+                seq.stop_reason = None if token in eos and not p.ignore_eos else token
             elif num_tokens - seq.num_prompt_tokens >= p.max_tokens or num_tokens >= max_len:
                 reason = "length"
             elif seq.hand_off:

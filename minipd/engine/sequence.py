@@ -28,6 +28,7 @@ class Sequence:
     num_preemptions: int = 0
     hand_off: bool | None = None  # its KV goes to another worker once its next token is sampled (None: the role says)
     prompt_logprobs: list | None = None  # params.prompt_logprobs: per prompt position, [id, logprob, rank, top] (first None)
+    stop_reason: int | None = None  # the stop_token_ids token that ended it (eos, checked first: None), as vLLM
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:

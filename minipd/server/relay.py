@@ -54,8 +54,7 @@ class Relay:
             state.stop_reason = state.stream.stop_reason
             return "stop", text, logprobs
         if msg.finished:
-            if stop_token and msg.token_ids[-1] in state.params.stop_token_ids:  # eos: None, as vLLM
-                state.stop_reason = msg.token_ids[-1]
+            state.stop_reason = msg.stop_reason
             return msg.finish_reason, text, logprobs
         state.deltas.put_nowait(Delta(text, len(msg.token_ids), logprobs=logprobs))
         return None, "", None

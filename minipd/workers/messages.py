@@ -120,6 +120,7 @@ class Tokens:
     # different sockets, so the main process may read them out of order)
     logprobs: list | None = None  # per token, when the request asked: [its logprob, [[id, logprob], ...]]
     prompt_logprobs: list | None = None  # with the first token, when asked: per prompt token [id, logprob, rank, top]
+    stop_reason: int | None = None  # finished by a stop_token_ids token: it (not eos)
 
 
 @message

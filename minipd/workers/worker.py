@@ -441,7 +441,7 @@ class Worker:
                 self.prefill_started.discard(out.request_id)
                 self.send(m.Event(out.request_id, self.id, "prefill_end", end))
             self.send(m.Tokens(out.request_id, self.id, out.new_token_ids, end, out.finished, out.finish_reason,
-                               out.index, out.logprobs, out.prompt_logprobs))  # fmt: skip
+                               out.index, out.logprobs, out.prompt_logprobs, out.stop_reason))  # fmt: skip
             if out.handoff:
                 self._write(out.request_id)
             elif out.finished and (h := self.outgoing.get(out.request_id)) is not None:
