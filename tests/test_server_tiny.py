@@ -509,6 +509,14 @@ async def test_several_prompts_in_one_completions_request_each_get_their_choices
         "prompt": [a, b], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}})  # fmt: skip
     chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    status, raw = await asyncio.to_thread(http, "POST", server.url + "/v1/completions", {
+        "prompt": [a, b], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
+    lines = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    per_choice = [(c["choices"][0]["index"], c["usage"]) for c in lines if c["choices"]]
+    assert {i: u["prompt_tokens"] for i, u in per_choice} == {0: 3, 1: 4}  # as vLLM: each choice's own usage
+    assert [u["completion_tokens"] for i, u in per_choice if i == 1] == sorted(u["completion_tokens"] for i, u in per_choice if i == 1)
+    assert max(u["completion_tokens"] for i, u in per_choice if i == 0) == 4 and lines[-1]["usage"]["completion_tokens"] == 8
     streamed = ["", ""]
     for c in chunks:
         for choice in c["choices"]:

@@ -370,8 +370,8 @@ class Api:
         logprobs = [[] for _ in states]  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
 
         async def send_chunk(obj: dict, index: int) -> None:
-            if opts.continuous_usage:
-                obj["usage"] = p.usage(reply.prompt_tokens, sum(counts))
+            if opts.continuous_usage:  # as vLLM: the usage of this chunk's choice so far
+                obj["usage"] = p.usage(len(states[index].prompt_token_ids), counts[index])
             if writers[index] is not None and logprobs[index]:
                 obj["choices"][0]["logprobs"] = writers[index](logprobs[index])
                 logprobs[index].clear()
