@@ -209,13 +209,17 @@ class Api:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         keep = p.truncate_prompt_tokens(body, self.max_model_len)
-        special = p.flag(body, "add_special_tokens", False)  # vLLM's chat default: the template writes them
-        messages = p.chat_messages(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
-        num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
-        ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
+        messages, ids = await self._chat_ids(body, truncated=keep is not None)
         last = messages[-1]  # vLLM's echo: the reply continues the assistant's last message, shown first
         echo = last["content"] if p.flag(body, "echo") and last["role"] == "assistant" else None
         return await self._serve(request, body, [ids[-keep:] if keep is not None else ids], chat=True, echoes=[echo])
+
+    async def _chat_ids(self, body: dict, truncated: bool = False) -> tuple[list[dict], list[int]]:
+        """The body's messages, checked, and the token ids the chat template makes of them."""
+        special = p.flag(body, "add_special_tokens", False)  # vLLM's chat default: the template writes them
+        messages = p.chat_messages(body, self.max_model_len, self.max_token_chars, truncated=truncated)
+        num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
+        return messages, await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
 
     async def _off_loop(self, num_chars: int, fn, *args):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
@@ -230,10 +234,7 @@ class Api:
         if ("prompt" in body) == ("messages" in body):
             raise ApiError("/tokenize takes a 'prompt' (a string) or 'messages', one of them", param="prompt")
         if "messages" in body:
-            messages = p.chat_messages(body, self.max_model_len, self.max_token_chars)
-            num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
-            special = p.flag(body, "add_special_tokens", False)
-            ids = await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
+            _, ids = await self._chat_ids(body)
         else:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
