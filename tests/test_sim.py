@@ -13,7 +13,7 @@ from minipd.bench.workloads import BenchRequest
 from minipd.server.modes import Mode
 from minipd.sim.cluster import Options, simulate
 from minipd.sim.profile import Host, Link, Profile, StepCost, WorkerShape, draw, fit_link, fit_steps, nonnegative_lstsq
-from minipd.sim.runs import sim_once
+from minipd.sim.runs import mode_of, sim_once
 from minipd.sim.validate import compare
 
 STEP = StepCost(fixed=0.010, per_prefill_token=1e-4, per_attention_pair=0.0, per_decode=0.002, per_decode_context=0.0,
@@ -309,3 +309,42 @@ def test_the_replies_only_shortcut_gives_the_same_run_as_the_general_path(mode, 
     assert fast["summary"]["completed"] == 40
     assert [r.token_times for r in fast["records"]] == [r.token_times for r in general["records"]]
     assert [r.server_timeline for r in fast["records"]] == [r.server_timeline for r in general["records"]]
+
+
+NOISY = StepCost(**{**{k: getattr(STEP, k) for k in STEP.__slots__}, "noise": [0.8, 1.0, 1.4]})
+BACK_TO_BACK = StepCost(**{**{k: getattr(STEP, k) for k in STEP.__slots__}, "gap": 0.0, "per_decode_context": 1e-6})
+
+
+@pytest.mark.parametrize("mode,workers,step,host,num_blocks,headroom", [
+    ("colocated", 2, STEP, None, 256, 512),
+    ("chunked:64", 2, NOISY, Host(0.002, 0.003, [0.001, 0.003, 0.02]), 256, 512),
+    ("disagg:1p1d", 2, BACK_TO_BACK, None, 256, 512),
+    ("disagg:1p1d", 2, NOISY, Host(0.0, 0.001, [0.0005, 0.004]), 40, 512),  # seats wait, runs are cut for blocks
+    ("disagg:1p1d", 2, NOISY, None, 60, 0),  # replies grow beyond their seats: a seat must see the run's blocks
+    ("disagg:1p3d", 4, BACK_TO_BACK, None, 64, 512),
+    ("colocated", 3, STEP, None, 30, 512),  # preemptions
+])  # fmt: skip
+def test_runs_of_decode_steps_give_the_same_run_as_one_step_at_a_time(mode, workers, step, host, num_blocks, headroom):
+    """The simulator takes a run of identical decode steps in one event (engine/decode_run.py); every
+    time, token, transfer and block must be what stepping one step at a time gives."""
+    label, body = ex.parse_mode(mode)
+    if mode == "disagg:1p3d":
+        body["local_prefill_tokens"] = 200
+    p = profile(num_blocks=num_blocks, step=step, host=host)
+    p.worker.decode_headroom_tokens = headroom
+    s = ex.Settings(60, None, 1.0, 5, True, None, None, None, 2000.0, 200.0, False)
+    runs = {}
+    for decode_runs in (True, False):
+        requests = ex.workload("chat", 6.0, s, p.worker.max_model_len)
+        records, sim = simulate(p, requests, mode_of(body), workers, Options(decode_runs=decode_runs))
+        runs[decode_runs] = (records, sim)
+    (fast, fast_sim), (slow, slow_sim) = runs[True], runs[False]
+    assert sum(w.num_runs for w in fast_sim.workers) > 10 and not any(w.num_runs for w in slow_sim.workers)
+    assert sum(r.ok for r in fast) == len(fast)
+    assert [r.token_times for r in fast] == [r.token_times for r in slow]
+    assert [(r.end_time, r.error, r.server_timeline) for r in fast] == [(r.end_time, r.error, r.server_timeline) for r in slow]
+    assert [(w.steps, w.busy_s, w.scheduler.num_preempted) for w in fast_sim.workers] == \
+        [(w.steps, w.busy_s, w.scheduler.num_preempted) for w in slow_sim.workers]  # fmt: skip
+    for w in fast_sim.workers:
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0 and w.streak is None

@@ -53,6 +53,9 @@ class BlockManager:
         """Free blocks that nobody has booked."""
         return len(self._free) - self._num_booked
 
+    def booked_by(self, owner: str) -> int:
+        return self._booked.get(owner, 0)
+
     def can_allocate(self, n: int, owner: str | None = None) -> bool:
         return n <= self.num_available + self._booked.get(owner, 0)
 

@@ -10,6 +10,7 @@ What it leaves out, on purpose: requests that fail, moves and live switches, wor
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import itertools
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from minipd.bench.metrics import RequestRecord
 from minipd.bench.workloads import BenchRequest
 from minipd.engine.block_manager import BlockManager, blocks_for
+from minipd.engine.decode_run import DecodeRun, plan_decode_run
 from minipd.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from minipd.engine.sequence import Sequence, SequenceStatus
 from minipd.sampling_params import SamplingParams
@@ -28,6 +30,7 @@ from minipd.sim.load_index import LoadIndex
 from minipd.sim.profile import Profile, draw
 
 TOKEN = 1  # what every simulated step samples (the bench's requests ignore EOS: lengths are exact)
+RUN_LIMIT = 256  # the most decode steps planned in one event (a run is usually cut sooner)
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +68,24 @@ class Options:
     kv_link_latency_ms: float | None = None
     trace: bool = False  # keep /admin/events-style events (steps, transfers) for a trace
     seed: int = 0  # for the step-time and delivery noise drawn from the profile's measured spread
+    decode_runs: bool = True  # take runs of identical decode steps in one event (the same run, faster)
+
+
+@dataclass(slots=True, eq=False)
+class Streak:
+    """A run of decode steps (engine/decode_run.py) taken in one event: each step's start, end and
+    tokens' arrival are known ahead, and the scheduler is brought up to the present (SimWorker.sync)
+    only when something outside reads or changes the worker; a message cuts the run after the step
+    under way, as the real loop would see it there."""
+
+    run: DecodeRun
+    starts: list[float]
+    ends: list[float]
+    at_client: list[float]
+    steps: int  # planned, or fewer once cut
+    rng_state: tuple | None  # the worker's random state after the first step's draws (to undo a cut run's)
+    grown: int = 1  # steps whose blocks are taken (as each starts)
+    done: int = 0  # steps whose tokens are sampled (as each ends)
 
 
 class SimWorker:
@@ -85,15 +106,33 @@ class SimWorker:
         self.in_step = False
         self.link_free_at = 0.0  # its outgoing KV link is busy until then
         self.box: list[SimWorker] = [self]  # the workers sharing this one's machine (the simulation sets it)
+        self.rng = random.Random(f"{sim.options.seed}:{worker_id}")  # its own: a run's draws are its steps' draws
+        self.streak: Streak | None = None
+        self.num_runs = 0  # runs of decode steps taken in one event
 
     def deliver(self, fn, *args) -> None:
         """A message to this worker: handled now if it is between steps (the next step, even one due now,
         sees it, as the real loop drains its messages before each step), else when its step ends."""
+        if self.streak is not None:
+            self._cut()
         if self.in_step:
             self.at_boundary.append((fn, args))
         else:
             fn(*args)
             self.kick()
+
+    def pass_on(self, fn, *args) -> None:
+        """A message this worker only passes on, between its steps (it changes nothing here): in a run,
+        at the end of the step under way, without cutting the run."""
+        st = self.streak
+        if st is None:
+            self.deliver(fn, *args)
+            return
+        under_way = bisect.bisect_left(st.starts, self.sim.now, 0, st.steps) - 1  # a step due now has not begun
+        if self.sim.now < st.ends[under_way]:
+            self.sim.at(st.ends[under_way], fn, *args)
+        else:
+            fn(*args)
 
     def kick(self) -> None:
         if not self.stepping and self.scheduler.num_unfinished:
@@ -114,9 +153,12 @@ class SimWorker:
             if step.co_runner and len(self.box) > 1:
                 seconds *= 1 + step.co_runner * sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1)
             if step.noise:
-                seconds *= draw(step.noise, sim.rng.random())
+                seconds *= draw(step.noise, self.rng.random())
             started, end = sim.now, sim.now + seconds
             self.in_step = True
+            if self.runs and (run := plan_decode_run(self.scheduler, batch, TOKEN, RUN_LIMIT)) is not None:
+                self._begin_run(run, s, seconds)
+                return
             if sim.heap and sim.heap[0][0] <= end:
                 sim.at(end, self._end, batch, started, s)
                 return
@@ -141,7 +183,7 @@ class SimWorker:
         self.busy_s += now - started
         self.steps += 1
         host = sim.profile.host
-        at_client = now + (draw(host.token_quantiles, sim.rng.random()) if host.token_quantiles else host.token_s)
+        at_client = now + (draw(host.token_quantiles, self.rng.random()) if host.token_quantiles else host.token_s)
         keys = []
         requests = sim.requests
         for key in shape.prefilling:
@@ -178,6 +220,11 @@ class SimWorker:
                 sim.hand_off(self, seq)
             else:
                 sim.finished(requests[seq.request_id], self)
+        return self._between_steps(now)
+
+    def _between_steps(self, now: float) -> float | None:
+        """The loop between two steps: the messages that came during the step, then the next step's time."""
+        sim = self.sim
         self.stepping = False
         if self.at_boundary:
             waiting, self.at_boundary = self.at_boundary, []
@@ -189,13 +236,100 @@ class SimWorker:
         delay, self.hold_s = sim.profile.step.gap + self.hold_s, 0.0
         return now + delay
 
+    def add_seat(self, key: str, num_blocks: int, headroom: int) -> bool:
+        self.sync()
+        return self.blocks.add_seat(key, num_blocks, headroom) is not None
+
+    # ---- runs of decode steps ------------------------------------------------------------------
+    @property
+    def runs(self) -> bool:
+        sim = self.sim
+        return (sim.options.decode_runs and sim.events is None
+                and not (sim.profile.step.co_runner and len(self.box) > 1))  # box mates read each step's in_step  # fmt: skip
+
+    def _draws(self, first: int, last: int) -> None:
+        """The random draws of steps first..last beyond the first step's noise, in the per-step order."""
+        step, host = self.sim.profile.step, self.sim.profile.host
+        for i in range(first, last + 1):
+            if i and step.noise:
+                self.rng.random()
+            if host.token_quantiles:
+                self.rng.random()
+
+    def _begin_run(self, run: DecodeRun, shape, seconds: float) -> None:
+        sim = self.sim
+        step, host, rng = sim.profile.step, sim.profile.host, self.rng
+        noise, spread, token_s, gap = step.noise, host.token_quantiles, host.token_s, step.gap + self.hold_s
+        rng_state = rng.getstate() if noise or spread else None
+        decodes, context = shape.decodes, shape.decode_context
+        starts, ends, at_client = [], [], []
+        start = sim.now
+        for i in range(run.steps):
+            if i:
+                start = end + gap
+                seconds = step.seconds(0, 0, decodes, context + i * decodes)
+                if noise:
+                    seconds *= draw(noise, rng.random())
+            end = start + seconds
+            starts.append(start)
+            ends.append(end)
+            at_client.append(end + (draw(spread, rng.random()) if spread else token_s))
+        self.streak = Streak(run, starts, ends, at_client, run.steps, rng_state)
+        self.num_runs += 1
+        sim.at(ends[-1], self._run_ends, self.streak, run.steps)
+
+    def sync(self) -> None:
+        """Bring the scheduler of a worker in a run to the present: blocks taken by the steps that have
+        started, tokens of those that have ended (each at its own time)."""
+        st = self.streak
+        if st is None:
+            return
+        now, run = self.sim.now, st.run
+        while st.grown < st.steps and st.starts[st.grown] < now:  # a step due now has not scheduled yet
+            run.grow(st.grown)
+            st.grown += 1
+        done = bisect.bisect_right(st.ends, now, st.done, st.grown)
+        if done > st.done:
+            run.advance(done - st.done, TOKEN)
+            times = st.at_client[st.done : done]
+            for seq in run.seqs:
+                seq.token_times += times
+            for i in range(st.done, done):
+                self.busy_s += st.ends[i] - st.starts[i]
+            self.steps += done - st.done
+            st.done = done
+
+    def _cut(self) -> None:
+        """A message: the run ends with the step under way (or the one just ended, in the gap after it)."""
+        self.sync()
+        st, sim = self.streak, self.sim
+        last = st.grown - 1
+        if st.steps > last + 1:
+            st.steps = last + 1
+            if st.rng_state is not None:
+                self.rng.setstate(st.rng_state)
+                self._draws(0, last)
+            if sim.now < st.ends[last]:
+                sim.at(st.ends[last], self._run_ends, st, st.steps)
+        if sim.now >= st.ends[last]:  # between steps: the next one was due after the gap
+            self.streak, self.in_step = None, False
+            sim.at(st.ends[last] + sim.profile.step.gap, self._start)
+
+    def _run_ends(self, st: Streak, steps: int) -> None:
+        if st is not self.streak or steps != st.steps:
+            return  # cut since
+        self.sync()
+        self.streak, self.in_step = None, False
+        following = self._between_steps(self.sim.now)
+        if following is not None:
+            self.sim.at(following, self._start)
+
 
 class Simulation:
     def __init__(self, profile: Profile, mode: Mode, num_workers: int, options: Options | None = None):
         mode.check(num_workers)
         self.profile, self.mode, self.options = profile, mode, options or Options()
         self.now = 0.0
-        self.rng = random.Random(self.options.seed)
         self.heap: list = []
         self.counter = itertools.count()
         self.workers = [SimWorker(self, i, role, mode) for i, role in enumerate(mode.roles(num_workers))]
@@ -294,14 +428,14 @@ class Simulation:
             headroom = max(0, blocks_for(n + 1 + headroom_tokens, bs) - now_blocks)
             turn = self.turn.get("seat", 0) % len(self.workers)
             readers = (self.workers[i] for i in self.by_load["decode"].order(turn))
-            reader = next((w for w in readers if w.blocks.add_seat(sr.key, now_blocks, headroom) is not None), None)
+            reader = next((w for w in readers if w.add_seat(sr.key, now_blocks, headroom)), None)
             if reader is None:
                 return  # waits until a decode worker frees blocks
             self.turn["seat"] = reader.id + 1
             self.seat_queue.popleft()
             self._load(reader, 1)
             sr.reader = reader.id
-            reader.deliver(self._seated, sr)  # the grant leaves the reader between its steps
+            reader.pass_on(self._seated, sr)  # the grant leaves the reader between its steps
 
     def _seated(self, sr: SimRequest) -> None:
         sr.events["dispatched"] = self.now

@@ -5,6 +5,7 @@ real one. Every run says it was simulated, and from which profile."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from minipd.bench import experiment as ex
@@ -28,8 +29,8 @@ def sim_once(profile: Profile, name: str, label: str, body: dict, rate: float, s
              options: Options | None = None, **extra) -> dict:  # fmt: skip
     options = options or Options()
     if body.get("kv_link_gbps") is not None:
-        options = Options(options.transport, body["kv_link_gbps"], body.get("kv_link_latency_ms"), options.trace,
-                          options.seed)
+        options = dataclasses.replace(options, kv_link_gbps=body["kv_link_gbps"],
+                                      kv_link_latency_ms=body.get("kv_link_latency_ms"))
     requests = ex.workload(name, rate, s, profile.worker.max_model_len)
     wall = time.perf_counter()
     records, sim = simulate(profile, requests, mode_of(body), num_workers, options)
