@@ -95,3 +95,26 @@ def test_random_arrivals_finishes_aborts_keep_integrity(seed, policy, num_blocks
             break
     assert sched.num_unfinished == 0, "requests were left behind"
     assert bm.num_used == 0
+
+
+def test_allocate_each_is_allocate_one_for_each_owner_in_turn():
+    def blocks():
+        b = BlockManager(12, 4)
+        b.allocate(3)
+        b.book("a", 2)
+        b.book("c", 1)
+        return b
+
+    owners = ["a", "b", "a", "c", "a", "b"]
+    one_by_one, at_once = blocks(), blocks()
+    expected = [i for o in owners for i in one_by_one.allocate(1, o)]
+    assert at_once.allocate_each(owners) == expected
+    assert (list(at_once._free), at_once._booked, at_once.num_booked) == \
+        (list(one_by_one._free), one_by_one._booked, one_by_one.num_booked)  # fmt: skip
+    at_once.check_integrity()
+    at_once.book("c", 1)
+    with pytest.raises(OutOfBlocks):  # 3 free, 1 of them booked by "c": "b" may take 2
+        at_once.allocate_each(["b", "c", "b", "b"])
+    assert at_once.num_free == 3 and at_once.num_booked == 1  # nothing taken
+    assert len(at_once.allocate_each(["b", "c", "b"])) == 3 and at_once.num_free == 0
+    at_once.check_integrity()

@@ -77,7 +77,7 @@ def test_a_planned_run_is_the_schedulers_own_steps(policy):
             ids = [q.request_id for q in batch.seqs]
             twin.postprocess(type(batch)([by_id[i] for i in ids], list(batch.num_new_tokens)), sampled)
             for i in range(1, run.steps):
-                run.grow(i)
+                run.grow(i, i + 1)
                 b, left = step(twin)
                 assert [q.request_id for q in b.seqs] == ids and b.num_new_tokens == [1] * len(ids) and not left
             run.advance(run.steps - 1, TOKEN)

@@ -348,3 +348,12 @@ def test_runs_of_decode_steps_give_the_same_run_as_one_step_at_a_time(mode, work
     for w in fast_sim.workers:
         w.blocks.check_integrity()
         assert w.blocks.num_used == 0 and w.streak is None
+
+
+def test_a_runs_step_times_are_the_step_models_to_the_last_bit():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        step = StepCost(*map(float, rng.uniform(0, 1e-3, 6)), gap=0.0)
+        decodes, context, steps = int(rng.integers(1, 300)), int(rng.integers(1, 10**6)), int(rng.integers(1, 40))
+        assert step.decode_run_seconds(decodes, context, steps) == \
+            [step.seconds(0, 0, decodes, context + i * decodes) for i in range(steps)]  # fmt: skip

@@ -69,6 +69,23 @@ class BlockManager:
             self._ref_counts[i] = 1
         return ids
 
+    def allocate_each(self, owners: list[str]) -> list[int]:
+        """One block for each owner in turn: allocate(1, owner) for each, in one call (all or none)."""
+        free, refs, booked, ids = self._free, self._ref_counts, self._booked, []
+        wanted: dict[str, int] = {}
+        for owner in owners:
+            wanted[owner] = wanted.get(owner, 0) + 1
+        beyond_bookings = sum(max(0, n - booked.get(owner, 0)) for owner, n in wanted.items())
+        if beyond_bookings > self.num_available:
+            raise OutOfBlocks(f"need {beyond_bookings} blocks beyond bookings, {self.num_available} available")
+        for owner in owners:
+            if owner in booked:
+                self._use_booking(owner, 1)
+            i = free.popleft()
+            refs[i] = 1
+            ids.append(i)
+        return ids
+
     def incref(self, ids: list[int]) -> None:
         for i in ids:
             if self._ref_counts[i] <= 0:

@@ -26,12 +26,15 @@ class DecodeRun:
     steps: int
     by_residue: list[list[tuple[int, Sequence]]]
 
-    def grow(self, step: int) -> None:
-        """What schedule() does to the blocks as step `step` (0-based, 1 or later) starts."""
+    def grow(self, start: int, stop: int) -> None:
+        """What schedule() does to the blocks as steps start..stop-1 (0-based, 1 or later) begin."""
         blocks = self.scheduler.blocks
-        for first, seq in self.by_residue[step % blocks.block_size]:
-            if first <= step:
-                seq.block_table += blocks.allocate(1, seq.request_id)
+        bs, by_residue, growing = blocks.block_size, self.by_residue, []
+        for step in range(start, stop):
+            growing += [seq for first, seq in by_residue[step % bs] if first <= step]
+        if growing:
+            for seq, block in zip(growing, blocks.allocate_each([seq.request_id for seq in growing])):
+                seq.block_table.append(block)
 
     def advance(self, steps: int, token: int) -> None:
         """What postprocess() does after `steps` of the run's steps, each sampling `token` for every sequence."""

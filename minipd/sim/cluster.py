@@ -263,17 +263,20 @@ class SimWorker:
         rng_state = rng.getstate() if noise or spread else None
         decodes, context = shape.decodes, shape.decode_context
         starts, ends, at_client = [], [], []
-        start = sim.now
-        for i in range(run.steps):
+        start, times = sim.now, step.decode_run_seconds(decodes, context, run.steps)
+        times[0] = seconds
+        for i, seconds in enumerate(times):
             if i:
                 start = end + gap
-                seconds = step.seconds(0, 0, decodes, context + i * decodes)
                 if noise:
                     seconds *= draw(noise, rng.random())
             end = start + seconds
             starts.append(start)
             ends.append(end)
-            at_client.append(end + (draw(spread, rng.random()) if spread else token_s))
+            if spread:
+                at_client.append(end + draw(spread, rng.random()))
+        if not spread:
+            at_client = [end + token_s for end in ends]
         self.streak = Streak(run, starts, ends, at_client, run.steps, rng_state)
         self.num_runs += 1
         sim.at(ends[-1], self._run_ends, self.streak, run.steps)
@@ -285,9 +288,10 @@ class SimWorker:
         if st is None:
             return
         now, run = self.sim.now, st.run
-        while st.grown < st.steps and st.starts[st.grown] < now:  # a step due now has not scheduled yet
-            run.grow(st.grown)
-            st.grown += 1
+        grown = bisect.bisect_left(st.starts, now, st.grown, st.steps)  # a step due now has not scheduled yet
+        if grown > st.grown:
+            run.grow(st.grown, grown)
+            st.grown = grown
         done = bisect.bisect_right(st.ends, now, st.done, st.grown)
         if done > st.done:
             run.advance(done - st.done, TOKEN)

@@ -49,6 +49,12 @@ class StepCost:
                 + decodes * self.per_decode + decode_context * self.per_decode_context
                 + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
 
+    def decode_run_seconds(self, decodes: int, context: int, steps: int) -> list[float]:
+        """seconds(0, 0, decodes, context + i * decodes) for i in range(steps), each the same float:
+        a run of decode steps, each reply one token longer than at the step before."""
+        base, per_context = self.fixed + decodes * self.per_decode, self.per_decode_context
+        return [base + (context + i * decodes) * per_context for i in range(steps)]
+
     def prefill_seconds(self, prompt_tokens: int) -> float:
         return self.seconds(prompt_tokens, prompt_tokens * (prompt_tokens + 1) // 2, 0, 0)
 
