@@ -64,34 +64,36 @@ def test_a_planned_run_is_the_schedulers_own_steps(policy):
                 break
             batch = s.schedule()
             twin = copy.deepcopy(s)  # before anything samples: the run begins with this step
-            bound = min(min(q.num_prompt_tokens + q.params.max_tokens, 400) - len(q.token_ids) for q in s.running) - 1
+            bound = min(min(q.num_prompt_tokens + q.params.max_tokens, 400) - len(q.token_ids) for q in s.running)
             run = plan_decode_run(s, batch, TOKEN, limit=1000)
             sampled = [TOKEN if w else None for w in batch.samples()]
-            left = s.postprocess(batch, sampled)
+            twin_batch = type(batch)([twin.find(q.request_id) for q in batch.seqs], list(batch.num_new_tokens))
+            left = s.postprocess(batch, sampled)  # (a run's first step: no one leaves)
             if run is None:
                 continue
             assert not left and run.steps >= 2
             runs += 1
             # the twin takes the same first step, then steps one by one: each step the same batch
-            by_id = {q.request_id: q for q in twin.running}
             ids = [q.request_id for q in batch.seqs]
-            twin.postprocess(type(batch)([by_id[i] for i in ids], list(batch.num_new_tokens)), sampled)
+            twin.postprocess(twin_batch, sampled)
             for i in range(1, run.steps):
                 run.grow(i, i + 1)
-                b, left = step(twin)
-                assert [q.request_id for q in b.seqs] == ids and b.num_new_tokens == [1] * len(ids) and not left
-            run.advance(run.steps - 1, TOKEN)
+                b, twin_left = step(twin)
+                assert [q.request_id for q in b.seqs] == ids and b.num_new_tokens == [1] * len(ids)
+                assert not twin_left or i == run.steps - 1  # replies leave in the run's last step only
+            run.advance(run.steps - 2, TOKEN)
+            left = s.postprocess(run.last_batch(), [TOKEN] * len(ids))
+            assert [q.request_id for q in left] == [q.request_id for q in twin_left]
             assert state(s) == state(twin)
             s.blocks.check_integrity()
             # a run as long as the replies allow ends where one of them leaves; a shorter one was cut for blocks
-            b, left = step(twin)
             if run.steps == bound:
                 assert left
             else:  # so the replies' own steps run short of blocks before `bound`
-                preempted = bool(b.preempted)
-                for _ in range(bound - run.steps - 1):
+                preempted = False
+                for _ in range(bound - run.steps):
                     preempted = preempted or bool(step(twin)[0].preempted)
-                assert run.steps < bound and preempted
+                assert run.steps < bound and not left and preempted
     assert runs > 20
 
 
@@ -109,5 +111,5 @@ def test_no_run_while_a_prompt_waits_or_a_step_reads_one():
         step(s)
     batch = s.schedule()
     run = plan_decode_run(s, batch, TOKEN, 100)
-    assert run is not None and run.steps == min(50 - len(q.output_token_ids) for q in s.running) - 1
+    assert run is not None and run.steps == min(50 - len(q.output_token_ids) for q in s.running)
     assert plan_decode_run(s, batch, 0, 100) is None  # the token would be eos: a reply leaves at once

@@ -2,7 +2,8 @@
 waits, the scheduler will schedule the very same batch again at every following step, until a reply
 leaves, a block runs short, or something arrives. The simulator takes such a run in one event
 instead of one per step (a fleet's time is mostly spent there), and it must be exactly the steps
-the scheduler would have made: the plan below says which, in the scheduler's own order.
+the scheduler would have made: the plan below says which, in the scheduler's own order. Replies may
+leave only in a run's last step, which the scheduler's own postprocess() ends (last_batch).
 
 Torch-free, like the scheduler it reads."""
 
@@ -16,7 +17,8 @@ from minipd.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class DecodeRun:
-    """`steps` steps of the same batch, the first of them the one the scheduler just made. A sequence
+    """`steps` steps of the same batch, the first of them the one the scheduler just made, none but
+    the last one seeing a reply leave. A sequence
     takes a block as a step starts when the token it reads fills its table: at step `first`, then
     every block_size steps; by_residue[r] holds (first, seq) for first % block_size == r, in the
     order Scheduler._add_decodes grows them (a first beyond the run is never reached)."""
@@ -36,8 +38,14 @@ class DecodeRun:
             for seq, block in zip(growing, blocks.allocate_each([seq.request_id for seq in growing])):
                 seq.block_table.append(block)
 
+    def last_batch(self) -> ScheduledBatch:
+        """The run's last step as schedule() would make it (once its blocks are grown), for postprocess()."""
+        n = len(self.seqs)
+        return ScheduledBatch(list(self.seqs), [1] * n, num_single=n)
+
     def advance(self, steps: int, token: int) -> None:
-        """What postprocess() does after `steps` of the run's steps, each sampling `token` for every sequence."""
+        """What postprocess() does after `steps` of the run's steps but its last, each sampling `token`
+        for every sequence (none leaves)."""
         tokens = [token] * steps
         for seq in self.seqs:
             seq.num_computed_tokens += steps
@@ -46,7 +54,8 @@ class DecodeRun:
 
 def plan_decode_run(scheduler: Scheduler, batch: ScheduledBatch, token: int, limit: int) -> DecodeRun | None:
     """The run that `batch` (just scheduled) starts, at most `limit` steps, if every step samples
-    `token` and nothing is added, aborted or taken from the blocks meanwhile; None if it is one step."""
+    `token` and nothing is added, aborted or taken from the blocks meanwhile; None if it is one step.
+    It ends at the first step in which a reply leaves (a stop token, its length, a handoff), or before."""
     seqs = batch.seqs
     if (scheduler.waiting or batch.num_single != len(seqs) or len(seqs) != len(scheduler.running)
             or batch.single_prefills or batch.preempted or limit < 2):  # fmt: skip
@@ -57,14 +66,14 @@ def plan_decode_run(scheduler: Scheduler, batch: ScheduledBatch, token: int, lim
     is_eos = token in config.eos_token_ids
     steps = limit
     firsts = []
-    for seq in seqs:  # the steps before anyone leaves (postprocess: a stop token, its length, a handoff)
+    for seq in seqs:
         p = seq.params
         if seq.hand_off or (is_eos and not p.ignore_eos) or token in p.stop_token_ids:
-            return None
+            return None  # it leaves after this step
         num_tokens = len(seq.token_ids)
-        leaves_at = min(seq.num_prompt_tokens + p.max_tokens - num_tokens, max_len - num_tokens)
-        if leaves_at - 1 < steps:
-            steps = leaves_at - 1
+        leaves_after = min(seq.num_prompt_tokens + p.max_tokens - num_tokens, max_len - num_tokens)
+        if leaves_after < steps:
+            steps = leaves_after
             if steps < 2:
                 return None
         # step i reads token computed + i: a new block when that index fills the table (step 0's is taken)

@@ -22,7 +22,7 @@ from minipd.bench.metrics import RequestRecord
 from minipd.bench.workloads import BenchRequest
 from minipd.engine.block_manager import BlockManager, blocks_for
 from minipd.engine.decode_run import DecodeRun, plan_decode_run
-from minipd.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from minipd.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, StepShape
 from minipd.engine.sequence import Sequence, SequenceStatus
 from minipd.sampling_params import SamplingParams
 from minipd.server.modes import Mode
@@ -83,6 +83,7 @@ class Streak:
     ends: list[float]
     at_client: list[float]
     steps: int  # planned, or fewer once cut
+    shape: StepShape  # of the last step planned (replies may leave in it: the worker's _finish ends it)
     rng_state: tuple | None  # the worker's random state after the first step's draws (to undo a cut run's)
     grown: int = 1  # steps whose blocks are taken (as each starts)
     done: int = 0  # steps whose tokens are sampled (as each ends)
@@ -176,14 +177,16 @@ class SimWorker:
         if following is not None:
             self.sim.at(following, self._start)
 
-    def _finish(self, batch: ScheduledBatch, started: float, shape) -> float | None:
-        """The step that began at `started` ends now. Returns when the next one starts (None: no work)."""
+    def _finish(self, batch: ScheduledBatch, started: float, shape, at_client: float | None = None) -> float | None:
+        """The step that began at `started` ends now, its tokens at the client at `at_client` (None:
+        drawn now). Returns when the next one starts (None: no work)."""
         sim, now = self.sim, self.sim.now
         self.in_step = False
         self.busy_s += now - started
         self.steps += 1
         host = sim.profile.host
-        at_client = now + (draw(host.token_quantiles, self.rng.random()) if host.token_quantiles else host.token_s)
+        if at_client is None:
+            at_client = now + (draw(host.token_quantiles, self.rng.random()) if host.token_quantiles else host.token_s)
         keys = []
         requests = sim.requests
         for key in shape.prefilling:
@@ -277,7 +280,8 @@ class SimWorker:
                 at_client.append(end + draw(spread, rng.random()))
         if not spread:
             at_client = [end + token_s for end in ends]
-        self.streak = Streak(run, starts, ends, at_client, run.steps, rng_state)
+        last = StepShape(decodes=decodes, decode_context=context + (run.steps - 1) * decodes)
+        self.streak = Streak(run, starts, ends, at_client, run.steps, last, rng_state)
         self.num_runs += 1
         sim.at(ends[-1], self._run_ends, self.streak, run.steps)
 
@@ -292,7 +296,7 @@ class SimWorker:
         if grown > st.grown:
             run.grow(st.grown, grown)
             st.grown = grown
-        done = bisect.bisect_right(st.ends, now, st.done, st.grown)
+        done = bisect.bisect_right(st.ends, now, st.done, min(st.grown, st.run.steps - 1))  # the last: _run_ends
         if done > st.done:
             run.advance(done - st.done, TOKEN)
             times = st.at_client[st.done : done]
@@ -323,8 +327,12 @@ class SimWorker:
         if st is not self.streak or steps != st.steps:
             return  # cut since
         self.sync()
-        self.streak, self.in_step = None, False
-        following = self._between_steps(self.sim.now)
+        self.streak, last = None, st.steps - 1
+        if st.steps == st.run.steps:  # the planned last step, in which replies may leave
+            following = self._finish(st.run.last_batch(), st.starts[last], st.shape, st.at_client[last])
+        else:
+            self.in_step = False
+            following = self._between_steps(self.sim.now)
         if following is not None:
             self.sim.at(following, self._start)
 
