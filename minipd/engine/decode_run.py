@@ -66,12 +66,14 @@ def plan_decode_run(scheduler: Scheduler, batch: ScheduledBatch, token: int, lim
     is_eos = token in config.eos_token_ids
     steps = limit
     firsts = []
-    for seq in seqs:
+    for seq in seqs:  # (the simulator's hot loop: kept plain)
         p = seq.params
         if seq.hand_off or (is_eos and not p.ignore_eos) or token in p.stop_token_ids:
             return None  # it leaves after this step
         num_tokens = len(seq.token_ids)
-        leaves_after = min(seq.num_prompt_tokens + p.max_tokens - num_tokens, max_len - num_tokens)
+        leaves_after = seq.num_prompt_tokens + p.max_tokens - num_tokens
+        if max_len - num_tokens < leaves_after:
+            leaves_after = max_len - num_tokens
         if leaves_after < steps:
             steps = leaves_after
             if steps < 2:
