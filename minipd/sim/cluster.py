@@ -68,7 +68,8 @@ class Options:
     kv_link_latency_ms: float | None = None
     trace: bool = False  # keep /admin/events-style events (steps, transfers) for a trace
     seed: int = 0  # for the step-time and delivery noise drawn from the profile's measured spread
-    decode_runs: bool = True  # take runs of identical decode steps in one event (the same run, faster)
+    decode_runs: bool = True  # take runs of identical decode steps in one event (the same run, faster; not while
+    # tracing, which keeps every step, nor where a step's time depends on its box mates' (co_runner))
 
 
 @dataclass(slots=True, eq=False)
