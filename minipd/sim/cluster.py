@@ -130,7 +130,7 @@ class SimWorker:
         if st is None:
             self.deliver(fn, *args)
             return
-        under_way = bisect.bisect_left(st.starts, self.sim.now, 0, st.steps) - 1  # a step due now has not begun
+        under_way = bisect.bisect_left(st.starts, self.sim.now, 1, st.steps) - 1  # a later step due now has not begun
         if self.sim.now < st.ends[under_way]:
             self.sim.at(st.ends[under_way], fn, *args)
         else:
@@ -251,10 +251,10 @@ class SimWorker:
         return (sim.options.decode_runs and sim.events is None
                 and not (sim.profile.step.co_runner and len(self.box) > 1))  # box mates read each step's in_step  # fmt: skip
 
-    def _draws(self, first: int, last: int) -> None:
-        """The random draws of steps first..last beyond the first step's noise, in the per-step order."""
+    def _redraw(self, last: int) -> None:
+        """The random draws of a run's steps up to `last` after its first step's noise, in the per-step order."""
         step, host = self.sim.profile.step, self.sim.profile.host
-        for i in range(first, last + 1):
+        for i in range(last + 1):
             if i and step.noise:
                 self.rng.random()
             if host.token_quantiles:
@@ -317,7 +317,7 @@ class SimWorker:
             st.steps = last + 1
             if st.rng_state is not None:
                 self.rng.setstate(st.rng_state)
-                self._draws(0, last)
+                self._redraw(last)
             if sim.now < st.ends[last]:
                 sim.at(st.ends[last], self._run_ends, st, st.steps)
         if sim.now >= st.ends[last]:  # between steps: the next one was due after the gap
