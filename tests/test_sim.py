@@ -357,3 +357,15 @@ def test_a_runs_step_times_are_the_step_models_to_the_last_bit():
         decodes, context, steps = int(rng.integers(1, 300)), int(rng.integers(1, 10**6)), int(rng.integers(1, 40))
         assert step.decode_run_seconds(decodes, context, steps) == \
             [step.seconds(0, 0, decodes, context + i * decodes) for i in range(steps)]  # fmt: skip
+
+
+def test_a_message_passed_on_during_a_run_leaves_when_the_step_under_way_ends():
+    from minipd.sim.cluster import Simulation, Streak
+
+    sim = Simulation(profile(), Mode("disagg"), 2)
+    w, got = sim.workers[1], []
+    w.streak = Streak(None, [0.0, 1.0, 2.0], [0.9, 1.9, 2.9], [0.9, 1.9, 2.9], 3, None, None)
+    for now in (0.0, 0.5, 1.0, 1.95, 2.5):  # the first step began at 0.0; a later one due now has not begun
+        sim.now = now
+        w.pass_on(got.append, now)
+    assert [t for t, *_ in sorted(sim.heap)] == [0.9, 0.9, 2.9] and got == [1.0, 1.95]  # between steps: at once
