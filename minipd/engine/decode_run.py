@@ -17,11 +17,10 @@ from minipd.engine.sequence import Sequence
 
 @dataclass(slots=True)
 class DecodeRun:
-    """`steps` steps of the same batch, the first of them the one the scheduler just made, none but
-    the last one seeing a reply leave. A sequence
-    takes a block as a step starts when the token it reads fills its table: at step `first`, then
-    every block_size steps; by_residue[r] holds (first, seq) for first % block_size == r, in the
-    order Scheduler._add_decodes grows them (a first beyond the run is never reached)."""
+    """`steps` steps of the same batch, the first of them the one the scheduler just made, no reply
+    leaving before the last. A sequence takes a block as a step starts when the token it reads is
+    past its table: at step `first`, then every block_size steps; by_residue[r] holds (first, seq)
+    for first % block_size == r, in the order Scheduler._add_decodes grows them."""
 
     scheduler: Scheduler
     seqs: list[Sequence]
@@ -78,7 +77,7 @@ def plan_decode_run(scheduler: Scheduler, batch: ScheduledBatch, token: int, lim
             steps = leaves_after
             if steps < 2:
                 return None
-        # step i reads token computed + i: a new block when that index fills the table (step 0's is taken)
+        # step i reads token computed + i: a new block when that index is past the table (step 0's is taken)
         first = len(seq.block_table) * bs - seq.num_computed_tokens
         firsts.append(first)
     if len(seqs) * -(-steps // bs) > blocks.num_available:  # perhaps short of blocks: counted exactly
