@@ -883,3 +883,35 @@ async def test_tokenize_and_detokenize_as_vllm_serves_them(tokenizer):
             resp = await client.post(path, json=body)
             err = await error_of(resp)
             assert resp.status in (400, 404) and err["param"] == param, (path, body, err)
+
+
+async def test_tokenize_follows_the_chat_rules_and_detokenize_keeps_special_tokens(tokenizer):
+    """/tokenize took the chat fields the chat endpoint refuses and counted a prompt the server would
+    never build; /detokenize dropped special tokens, which vLLM's keeps (skip_special_tokens was ignored)."""
+    messages = [{"role": "user", "content": "hi"}]
+    async with api_client(tokenizer) as client:
+        for extra, param in [({"add_generation_prompt": False}, "add_generation_prompt"),
+                             ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                             ({"continue_final_message": True}, "continue_final_message"),
+                             ({"chat_template": "{{ 1/0 }}"}, "chat_template")]:  # fmt: skip
+            for path in ("/tokenize", "/v1/chat/completions"):
+                resp = await client.post(path, json={"messages": messages, **extra})
+                assert resp.status == 400 and (await error_of(resp))["param"] == param, (path, extra)
+        eos = tokenizer.eos_token_id
+        special = tokenizer.decode([eos], skip_special_tokens=False)
+        ids = [*tokenizer.encode("Hello", False), eos]
+        assert special and (await (await client.post("/detokenize", json={"tokens": ids})).json()) == {"prompt": f"Hello{special}"}
+        got = await (await client.post("/detokenize", json={"tokens": ids, "skip_special_tokens": True})).json()
+        assert got == {"prompt": "Hello"}
+        resp = await client.post("/detokenize", json={"tokens": ids, "skip_special_tokens": "no"})
+        assert resp.status == 400 and (await error_of(resp))["param"] == "skip_special_tokens"
+
+
+def test_modalities_text_is_the_default_and_taken():
+    from minipd.server.protocol import ApiError, refuse_unsupported
+
+    refuse_unsupported({"modalities": ["text"]})
+    refuse_unsupported({"modalities": None})
+    with pytest.raises(ApiError) as e:
+        refuse_unsupported({"modalities": ["text", "audio"]})
+    assert e.value.param == "modalities"

@@ -6,6 +6,7 @@ import json
 import signal
 import time
 
+import aiohttp
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -139,6 +140,10 @@ async def test_openai_client_streams_with_usage(server):
     results = await _stream_texts(server.url, 6, max_tokens=5, extra_body={"ignore_eos": True})
     for text, usage in results:
         assert usage.completion_tokens == 5 and text
+    async with aiohttp.ClientSession() as session:  # a client that reads the charset (requests) gets UTF-8, as vLLM's
+        async with session.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True}) as r:
+            assert r.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+            await r.read()
 
 
 @pytest.mark.asyncio

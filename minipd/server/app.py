@@ -42,6 +42,7 @@ TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message
 MAX_BODY_LIMIT = 16 * 2**20
 BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}  # as vLLM's
 
 
 def json_error(err: ApiError) -> web.Response:
@@ -234,6 +235,7 @@ class Api:
         if ("prompt" in body) == ("messages" in body):
             raise ApiError("/tokenize takes a 'prompt' (a string) or 'messages', one of them", param="prompt")
         if "messages" in body:
+            p.refuse_chat_template_options(body)
             _, ids = await self._chat_ids(body)
         else:
             prompt = body["prompt"]
@@ -246,13 +248,14 @@ class Api:
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        """vLLM's /detokenize: token ids to text (special tokens left out, as a reply's text)."""
+        """vLLM's /detokenize: token ids to text, special tokens kept (as vLLM's) unless skip_special_tokens."""
         body = await self._body(request)
         self._check_model(body)
         tokens, vocab = body.get("tokens"), len(self._tokenizer())
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
             raise ApiError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
-        text = await self._off_loop(4 * len(tokens), self.tokenizer.decode, tokens)  # a long list: off the loop
+        skip = p.flag(body, "skip_special_tokens", False)
+        text = await self._off_loop(4 * len(tokens), self.tokenizer.decode, tokens, skip)  # a long list: off the loop
         return web.json_response({"prompt": text})
 
     def _check_model(self, body: dict) -> None:
@@ -343,7 +346,7 @@ class Api:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def _stream(self, request, reply: Reply, opts: p.StreamOptions) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         created = p.now()
 
         async def send(obj: dict | bytes) -> None:
@@ -591,7 +594,7 @@ class Api:
         since = time.time() if since is None else float(since)
         log_ = self.router.events
         queue = log_.subscribe()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         try:
             for i, event in enumerate(log_.since(since)):

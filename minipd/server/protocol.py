@@ -26,30 +26,43 @@ MAX_LOGIT_BIAS = 1024
 MAX_CHOICES = 64
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
+# how the chat template is applied: only its default (a generation prompt after the messages)
+CHAT_TEMPLATE_FIELDS = ("chat_template", "chat_template_kwargs", "continue_final_message", "add_generation_prompt")
 UNSUPPORTED = ("suffix", "tools", "functions", "function_call",
                "use_beam_search", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio", "modalities",
-               "prediction", "web_search_options", "chat_template", "chat_template_kwargs",
-               "continue_final_message", "documents", "mm_processor_kwargs", "logits_processors", "prompt_embeds",
+               "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio",
+               "prediction", "web_search_options", *CHAT_TEMPLATE_FIELDS[:3], "documents", "mm_processor_kwargs",
+               "logits_processors", "prompt_embeds",
                "kv_transfer_params", "vllm_xargs", "return_token_ids", "request_id")  # fmt: skip
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,),
+            "modalities": (["text"], []),
             "spaces_between_special_tokens": (True,), "length_penalty": (1.0, 1), "early_stopping": (False,),
             "priority": (0,)}  # fmt: skip
 
 
 def refuse_unsupported(body: dict) -> None:
-    for name in UNSUPPORTED:
-        value = body.get(name)
-        off = value is None or (not value and isinstance(value, (bool, str, list, dict)))
-        if not off:
-            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    _refuse(body, UNSUPPORTED, HARMLESS)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError("'user' must be a string", param="user")
     salt = body.get("cache_salt")  # salts a prefix cache, which minipd does not have: nothing to salt
     if salt is not None and not (isinstance(salt, str) and salt):
         raise ApiError("'cache_salt' must be a non-empty string", param="cache_salt")
-    for name, fine in HARMLESS.items():  # the value itself, not one equal to it (true == 1 in Python)
+
+
+def refuse_chat_template_options(body: dict) -> None:
+    """/tokenize reads messages as the chat endpoint does: its template options, or the same 400."""
+    _refuse(body, CHAT_TEMPLATE_FIELDS[:3], {"add_generation_prompt": HARMLESS["add_generation_prompt"]})
+
+
+def _refuse(body: dict, unsupported: tuple[str, ...], harmless: dict) -> None:
+    """A 400 naming the first field set to something this server cannot honour."""
+    for name in unsupported:
+        value = body.get(name)
+        off = value is None or (not value and isinstance(value, (bool, str, list, dict)))
+        if not off:
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    for name, fine in harmless.items():  # the value itself, not one equal to it (true == 1 in Python)
         if body.get(name) is not None and not any(type(body[name]) is type(f) and body[name] == f for f in fine):
             raise ApiError(f"'{name}' other than {' or '.join(map(repr, fine))} is not supported", param=name)
 
