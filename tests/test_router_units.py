@@ -299,3 +299,16 @@ async def test_a_reply_whose_move_failed_is_redone_on_a_decode_worker_not_across
     assert len(state.redos) == 1 and "move" in state.redos[0]["cause"]
     [(worker, add)] = await sent(pool, m.AddRequest)
     assert worker == 1 and add.reader is None and add.output_token_ids == [5, 6] and state.path == "local"
+
+
+def test_preemptions_are_counted_in_metrics_as_vllm_counts_them():
+    """A decode worker preempting 40 times per reply showed it only in /admin/workers: /metrics had no
+    num_preemptions (vLLM's vllm:num_preemptions_total). A restarted worker counts from 0 again."""
+    router = serving_router(FakePool(["both", "both"]))
+
+    def total() -> float:
+        return router.metrics.registry.get_sample_value("minipd:num_preemptions_total", {"model_name": "m"})
+
+    for worker, preempted in [(0, 3), (1, 2), (0, 5), (0, 5), (1, 1), (1, 4)]:  # worker 1 restarted at 1
+        router.on_message(m.WorkerStats(worker, "both", 1, 0, 8, 0, 0, 64, preempted, {}))
+    assert total() == 5 + 2 + 4

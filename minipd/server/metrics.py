@@ -35,6 +35,7 @@ class Metrics:
                                     "Arrival to prefill start (router queue, seat wait, worker queue).")  # fmt: skip
         self.running = gauge("minipd:num_requests_running", "Requests in a worker's running batch.")
         self.waiting = gauge("minipd:num_requests_waiting", "Requests waiting (for a seat, and in the workers).")
+        self.preemptions = counter("minipd:num_preemptions", "Requests preempted: their KV freed, to be read again.")
         self.kv_usage = gauge("minipd:kv_cache_usage_perc", "KV blocks used (seats included), 0-1.", ["worker"])
         self.prompt_tokens = counter("minipd:prompt_tokens", "Prompt tokens.")
         self.generation_tokens = counter("minipd:generation_tokens", "Generated tokens.")
@@ -54,7 +55,8 @@ class Metrics:
                                   "Disaggregated requests by path: remote (prefilled on a prefill worker) or local "
                                   "(prompt under local_prefill_tokens, prefilled by its decode worker).", ["path"])  # fmt: skip
         self.worker_restarts = counter("minipd:worker_restarts", "Workers restarted after they died.", ["worker"])
-        for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.prompt_tokens,
+        for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.preemptions,
+                       self.prompt_tokens,
                        self.generation_tokens, self.kv_bytes, self.kv_seconds, self.seats_reserved,
                        self.seats_waiting, self.mode_switches, self.redos, self.move_bytes):  # fmt: skip
             family.labels(model_name)  # every series exists from the start, at zero

@@ -266,6 +266,10 @@ class Router:
         w = self.pool.workers[msg.worker_id]
         model = self.metrics.model
         usage = msg.blocks_used / max(1, msg.blocks_total)  # a malformed message stops here, before it is kept
+        before = w.stats.num_preempted if w.stats else 0
+        preempted = msg.num_preempted - before if msg.num_preempted >= before else msg.num_preempted  # (restarted)
+        if preempted > 0:
+            self.metrics.preemptions.labels(model).inc(preempted)
         w.stats = msg
         self.metrics.kv_usage.labels(model, str(msg.worker_id)).set(usage)
         stats = [x.stats for x in self.pool.workers if x.stats and x.alive]
