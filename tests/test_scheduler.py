@@ -204,3 +204,20 @@ def test_a_steps_shape_counted_while_scheduling_is_its_shape_by_definition():
         kinds |= {"chunk" for n in batch.num_new_tokens[batch.num_single :] if n > 1}
         s.postprocess(batch, [7 if w else None for w in batch.samples()])
     assert kinds == {"single prefill", "decode", "chunk"}
+
+
+def test_a_prompt_is_not_taken_in_for_a_first_chunk_when_the_rest_cannot_follow():
+    """Found by a hostile client (a decode worker preempting 40 times per reply, 635 in 30 s): a
+    prompt, or a reply preempted for room and read again, was taken in when its first chunk fit; at
+    its next chunk it preempted itself, and was taken in again at the next step, and so on."""
+    s = make(policy="chunked", chunk=8, blocks=16)  # 4 tokens a block: 64 tokens
+    s.add(seq("a", 20, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)))
+    for _ in range(3):
+        run_step(s)
+    s.add(seq("b", 48, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))  # 12 blocks: not while "a" holds 6
+    steps_before_b = 0
+    while s.num_unfinished:
+        batch = run_step(s)
+        steps_before_b += not any(q.request_id == "b" for q in batch.seqs)
+        assert s.num_preempted == 0
+    assert steps_before_b >= 8 and s.blocks.num_used == 0  # "b" waited for "a" to finish, then ran

@@ -369,3 +369,12 @@ def test_a_message_passed_on_during_a_run_leaves_when_the_step_under_way_ends():
         sim.now = now
         w.pass_on(got.append, now)
     assert [t for t, *_ in sorted(sim.heap)] == [0.9, 0.9, 2.9] and got == [1.0, 1.95]  # between steps: at once
+
+
+def test_a_decode_worker_short_of_blocks_does_not_thrash():
+    """The same defect seen fleet-wide: 20 long replies on a decode worker with room for 6 made it
+    preempt 809 times (a reply read again for its first chunk, then thrown out at its next)."""
+    reqs = [BenchRequest(i, 2000, 1500, 0.01 * i) for i in range(20)]
+    records, sim = simulate(profile(num_blocks=1500), reqs, Mode("disagg"), 2)
+    assert all(r.ok and r.output_tokens == 1500 for r in records)
+    assert sim.workers[1].scheduler.num_preempted <= 20

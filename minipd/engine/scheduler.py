@@ -245,8 +245,13 @@ class Scheduler:
         batch.single_context = context
 
     def _admit(self, seq: Sequence, n: int) -> bool:
-        need = blocks_for(seq.num_computed_tokens + n, self.blocks.block_size) - len(seq.block_table)
-        if not self.blocks.can_allocate(need, seq.request_id):
+        """Take a waiting sequence in (its first n tokens now) only if the blocks for all it must read
+        are free: taken in for its first chunk alone, it would preempt itself at the next chunk, and a
+        reply preempted for room would be read again and thrown out at every step."""
+        bs = self.blocks.block_size
+        need = blocks_for(seq.num_computed_tokens + n, bs) - len(seq.block_table)
+        whole = blocks_for(len(seq.token_ids), bs) - len(seq.block_table)
+        if not self.blocks.can_allocate(max(need, whole), seq.request_id):
             return False
         self.waiting.popleft()
         seq.block_table += self.blocks.allocate(need, seq.request_id)
