@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, nonnegative_float, nonnegative_int, positive_int
 
 
 def add_engine_args(p) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file, a Hugging Face folder or tiny-random (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and KV")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-tokens", type=int, default=16384, help="KV cache size per worker, in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests a worker runs at once")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-tokens", type=positive_int, default=16384, help="KV cache size per worker, in tokens")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="requests a worker runs at once")
     p.add_argument(
         "--quantization",
         default=None,
@@ -30,8 +30,12 @@ def add_engine_args(p) -> None:
 def cmd_generate(args) -> int:
     from minipd import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
-              quantization=args.quantization, prepack=args.prepack)  # fmt: skip
+    try:
+        llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, kv_cache_tokens=args.kv_cache_tokens,
+                  quantization=args.quantization, prepack=args.prepack)  # fmt: skip
+    except ValueError as err:  # settings that cannot work together (a KV cache smaller than one block)
+        print(f"python -m minipd generate: error: {err}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     if args.raw:
         out = llm.generate(args.prompt, params, use_tqdm=False)[0]
@@ -50,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="answer one prompt offline and exit",
                          formatter_class=DefaultsFormatter)  # fmt: skip
     gen.add_argument("prompt", help="the user's message (or, with --raw, the text to continue)")
-    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=None, help="seed for sampling at temperature > 0 (default: random)")
+    gen.add_argument("--max-tokens", type=positive_int, default=64, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=nonnegative_int, default=None, help="seed for sampling at temperature > 0 (default: random)")
     gen.add_argument("--raw", action="store_true", help="complete the text as is, without the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)

@@ -13,6 +13,7 @@ import platform
 import time
 
 from minipd.bench.workloads import make_workload
+from minipd.cli_help import positive_float, positive_int
 from minipd.server.modes import Mode
 from minipd.sim import profile as pf
 from minipd.sim.cluster import simulate
@@ -20,15 +21,21 @@ from minipd.sim.cluster import simulate
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=100000)
-    ap.add_argument("--workers", type=int, default=512)
-    ap.add_argument("--rate", type=float, default=20000.0, help="req/s offered to the whole fleet")
+    ap.add_argument("--requests", type=positive_int, default=100000)
+    ap.add_argument("--workers", type=positive_int, default=512, help="(disagg needs 2 or more)")
+    ap.add_argument("--rate", type=positive_float, default=20000.0, help="req/s offered to the whole fleet")
     ap.add_argument("--workload", default="chat")
     ap.add_argument("--quick", action="store_true", help="the bench's short lengths (chat: replies of 16-64 tokens)")
     ap.add_argument("--accelerator", default="h100")
     ap.add_argument("--modes", default="disagg,colocated")
     args = ap.parse_args()
-    acc = pf.ACCELERATORS[args.accelerator]
+    acc = pf.ACCELERATORS.get(args.accelerator.lower())
+    if acc is None:
+        ap.error(f"--accelerator: one of {', '.join(pf.ACCELERATORS)}")
+    if any(name not in ("disagg", "colocated") for name in args.modes.split(",")):
+        ap.error("--modes: disagg and/or colocated")
+    if "disagg" in args.modes and args.workers < 2:
+        ap.error("disagg needs --workers 2 or more")
     profile = pf.roofline(acc, 8e9, 131072, 16e9, pf.WorkerShape(num_blocks=262144 // 16, kv_bytes_per_token=131072))
     reqs = make_workload(args.workload, num_prompts=args.requests, rate=args.rate, seed=0, quick=args.quick)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
@@ -42,7 +49,7 @@ def main() -> None:
           f"{' (quick)' if args.quick else ''} requests at {args.rate:g} req/s on {args.workers} simulated workers "
           f"({profile.source}, 8B parameters)")  # fmt: skip
     for name in args.modes.split(","):
-        p = args.workers // 4
+        p = max(1, args.workers // 4)
         mode = Mode("disagg", p, args.workers - p) if name == "disagg" else Mode(name)
         started = time.perf_counter()
         records, sim = simulate(profile, reqs, mode, args.workers)

@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 
 from minipd.bench import experiment as ex
+from minipd.cli_help import positive_int
 from minipd.sim.cluster import Options
 from minipd.sim.profile import Profile
 from minipd.sim.runs import sim_once
@@ -34,7 +35,7 @@ def cell(errors: list[float], limit: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=5, help="noise seeds per run (0, 1, ...)")
+    ap.add_argument("--seeds", type=positive_int, default=5, help="noise seeds per run (0, 1, ...)")
     ap.add_argument("--folder", default="docs/validation")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = ap.parse_args()

@@ -80,7 +80,7 @@ def test_lengths_alone_mean_the_fixed_workload():
         ),
         (["--input-len", "100"], "the fixed workload needs both --input-len and --output-len"),
         (["--workloads", "fixed"], "the fixed workload needs both --input-len and --output-len"),
-        (["--input-len", "0", "--output-len", "20"], "--input-len and --output-len must be >= 1"),
+        (["--input-len", "0", "--output-len", "20"], "argument --input-len: must be an integer >= 1"),
         (["--workloads", "sumarize"], "unknown workload 'sumarize'; choose from chat, summarize, generate, mixed, fixed"),
     ],
 )

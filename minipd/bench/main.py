@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, listed, nonnegative_int, positive_float, positive_int
 
 
 def add_traffic_args(g) -> None:
@@ -33,14 +33,14 @@ def add_traffic_args(g) -> None:
     g.add_argument("--phases", default="chat,summarize,chat",
                    help="the phases workload's phases, in order, each an equal share of the run: chat, summarize "
                         "(long prompts, short replies) or generate (short prompts, long replies)")
-    g.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
-    g.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
+    g.add_argument("--input-len", type=positive_int, default=None, help="the fixed workload's prompt tokens")
+    g.add_argument("--output-len", type=positive_int, default=None, help="the fixed workload's reply tokens")
     g.add_argument("--quick", action="store_true", help="lengths that fit a 2-core CPU (see minipd/bench/workloads.py)")
-    g.add_argument("--rates", default="0.5", help="comma-separated request rates (req/s) to sweep; inf = all at once")
-    g.add_argument("--burstiness", type=float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
-    g.add_argument("--num-prompts", type=int, default=None, help="requests per run (default 20 unless --duration)")
-    g.add_argument("--duration", type=float, default=None, help="seconds of arrivals per run")
-    g.add_argument("--seed", type=int, default=0, help="the same seed gives the same requests")
+    g.add_argument("--rates", default="0.5", type=listed(positive_float, inf=True), help="comma-separated request rates (req/s) to sweep; inf = all at once")
+    g.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma arrivals' shape; 1 = Poisson")
+    g.add_argument("--num-prompts", type=positive_int, default=None, help="requests per run (default 20 unless --duration)")
+    g.add_argument("--duration", type=positive_float, default=None, help="seconds of arrivals per run")
+    g.add_argument("--seed", type=nonnegative_int, default=0, help="the same seed gives the same requests")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,16 +50,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--url", default=None, help="a running OpenAI-compatible server (default: start minipd)")
     g.add_argument("--api-key", default=None, help="its API key, if it needs one")
     g.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--workers", type=int, default=2, help="workers of the server this starts")
-    g.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
+    g.add_argument("--workers", type=positive_int, default=2, help="workers of the server this starts")
+    g.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads per worker")
     g.add_argument("--kv-transport", default=None, choices=["shm", "tcp"],
                    help="for the server this starts (default: shm; tcp with --kv-link-gbps)")
-    g.add_argument("--advisor-window", type=float, default=None,
+    g.add_argument("--advisor-window", type=positive_float, default=None,
                    help="for the server this starts: seconds between the advisor's decisions in mode auto "
                    "(default: the server's, 30); it is also given --slo-ttft-ms/--slo-tpot-ms")  # fmt: skip
     g = ap.add_argument_group("traffic")
     add_traffic_args(g)
-    g.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (default: no limit)")
+    g.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most (default: no limit)")
     g.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run each point (workload x rate x mode) N times with seeds seed..seed+N-1 (other requests "
                    "and arrivals each time, the same N for every mode) and report each metric's median with a 95%% "
@@ -87,15 +87,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="with --switch-at: each switch lets the running requests finish first (drain) instead of moving them",
     )
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO on time per output token")
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="SLO on time to first token")
+    g.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="SLO on time per output token")
     g.add_argument("--goodput-search", action="store_true",
                    help="DistServe's goodput: search the highest rate with >= 90%% of requests in both SLOs")
-    g.add_argument("--search-max-runs", type=int, default=6, help="probes per goodput search")
-    g.add_argument("--kv-link-gbps", default=None,
+    g.add_argument("--search-max-runs", type=positive_int, default=6, help="probes per goodput search")
+    g.add_argument("--kv-link-gbps", default=None, type=listed(positive_float),
                    help="link study: comma-separated emulated KV link rates (Gb/s) for disagg over tcp")
     g.add_argument("--plan", action="store_true", help="profile the workers, plan P:D, and run the recommended split")
-    g.add_argument("--plan-rate", type=float, default=None, help="the rate the plan is for (default: the highest of --rates)")
+    g.add_argument("--plan-rate", type=positive_float, default=None, help="the rate the plan is for (default: the highest of --rates)")
     g.add_argument("--validate-sim", action="store_true",
                    help="then profile the same workers (loads of its own) and run the same requests in the simulator "
                    "(python -m minipd sim): the error per mode and metric, and where the time goes")  # fmt: skip

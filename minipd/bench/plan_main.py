@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, positive_float, positive_int
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -18,27 +18,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--url", default=None, help="a running minipd server (default: start one)")
     ap.add_argument("--api-key", default=None, help="its API key, if it needs one")
     ap.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--workers", type=int, default=2, help="workers of the server this starts")
+    ap.add_argument("--workers", type=positive_int, default=2, help="workers of the server this starts")
     ap.add_argument(
         "--workload",
         default=None,
         help="chat, summarize, mixed or fixed: its length distributions "
         "(default: chat; fixed when --input-len and --output-len are given)",
     )
-    ap.add_argument("--input-len", type=int, default=None, help="the fixed workload's prompt tokens")
-    ap.add_argument("--output-len", type=int, default=None, help="the fixed workload's reply tokens")
+    ap.add_argument("--input-len", type=positive_int, default=None, help="the fixed workload's prompt tokens")
+    ap.add_argument("--output-len", type=positive_int, default=None, help="the fixed workload's reply tokens")
     ap.add_argument("--quick", action="store_true", help="the workload's 2-core sizes, and a shorter profile")
-    ap.add_argument("--rate", type=float, default=0.5, help="requests per second")
-    ap.add_argument("--slo-ttft-ms", type=float, required=True, help="SLO on time to first token")
-    ap.add_argument("--slo-tpot-ms", type=float, required=True, help="SLO on time per output token")
-    ap.add_argument("--plan-workers", type=int, default=None, help="workers to split (default: the server's)")
+    ap.add_argument("--rate", type=positive_float, default=0.5, help="requests per second")
+    ap.add_argument("--slo-ttft-ms", type=positive_float, required=True, help="SLO on time to first token")
+    ap.add_argument("--slo-tpot-ms", type=positive_float, required=True, help="SLO on time per output token")
+    ap.add_argument("--plan-workers", type=positive_int, default=None, help="workers to split (default: the server's)")
     ap.add_argument("--profile", default=None,
                     help="a profile JSON from `python -m minipd profile` instead of profiling a server (the "
                     "workers need not be running; give --plan-workers)")  # fmt: skip
     ap.add_argument("--sim", action="store_true",
                     help="also run every split in the simulator at the rate (minipd's own scheduler on the profile's "
                     "step times) and recommend by simulated SLO attainment, beside the queueing model's choice")  # fmt: skip
-    ap.add_argument("--sim-prompts", type=int, default=400, help="requests per simulated split")
+    ap.add_argument("--sim-prompts", type=positive_int, default=400, help="requests per simulated split")
     args = ap.parse_args(argv)
     from minipd.bench.workloads import workload_names
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, listed, positive_float, positive_int
 
 
 def add_traffic_args(ap: argparse.ArgumentParser) -> None:
@@ -21,8 +21,8 @@ def add_traffic_args(ap: argparse.ArgumentParser) -> None:
 
     g = ap.add_argument_group("traffic (as bench)")
     bench_traffic(g)
-    g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token")
-    g.add_argument("--slo-tpot-ms", type=float, default=None, help="SLO on time per output token")
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="SLO on time to first token")
+    g.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="SLO on time per output token")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -31,33 +31,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = ap.add_argument_group("what is simulated")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", help="a profile JSON from `python -m minipd profile`")
-    src.add_argument("--estimate", metavar="ACCELERATOR", help="a roofline estimate instead (see --list-accelerators)")
-    g.add_argument("--params", type=float, default=8e9, help="with --estimate: the model's parameters")
-    g.add_argument("--kv-bytes-per-token", type=int, default=131072, help="with --estimate: KV bytes per token")
-    g.add_argument("--dtype-bytes", type=int, default=2, help="with --estimate: bytes per weight")
-    g.add_argument("--kv-cache-tokens", type=int, default=None,
+    src.add_argument("--estimate", metavar="ACCELERATOR", help="a roofline estimate instead, of one of: h100, h200, a100, l4")
+    g.add_argument("--params", type=positive_float, default=8e9, help="with --estimate: the model's parameters")
+    g.add_argument("--kv-bytes-per-token", type=positive_int, default=131072, help="with --estimate: KV bytes per token")
+    g.add_argument("--dtype-bytes", type=positive_int, default=2, help="with --estimate: bytes per weight")
+    g.add_argument("--kv-cache-tokens", type=positive_int, default=None,
                    help="KV cache per worker in tokens (default: the profile's; with --estimate 262144)")
-    g.add_argument("--workers", type=int, default=2, help="simulated workers")
+    g.add_argument("--workers", type=positive_int, default=2, help="simulated workers")
     g.add_argument("--kv-transport", default=None, help="which of the profile's links a handoff uses (default: its first)")
     add_traffic_args(ap)
     g = ap.add_argument_group("experiments")
     g.add_argument("--modes", default="colocated,chunked:64,disagg:1p1d",
                    help="colocated, chunked[:TOKENS], disagg[:PpDd[:localN]], as bench's")
     g.add_argument("--goodput-search", action="store_true", help="DistServe's goodput by a rate search, simulated")
-    g.add_argument("--search-max-runs", type=int, default=8, help="probes per goodput search")
+    g.add_argument("--search-max-runs", type=positive_int, default=8, help="probes per goodput search")
     g.add_argument("--trace", action="store_true", help="also write each run's Chrome/Perfetto trace")
     g = ap.add_argument_group("fleet studies (instead of the runs above)")
-    g.add_argument("--fleet-sizes", default=None, metavar="N,N,...",
+    g.add_argument("--fleet-sizes", default=None, type=listed(positive_int), metavar="N,N,...",
                    help="DistServe's placement search: for each fleet size, colocated and disagg with 1/8 to 5/8 of "
                    "the workers prefilling, each one's goodput by a rate search; the best split per size, plotted")  # fmt: skip
-    g.add_argument("--fleet-link-gbps", default=None, metavar="G,G,...",
+    g.add_argument("--fleet-link-gbps", default=None, type=listed(positive_float), metavar="G,G,...",
                    help="the link crossover at the largest fleet size: the best disagg split's goodput at each KV link "
                    "rate against colocated's")  # fmt: skip
-    g.add_argument("--fleet-link-workers", type=int, default=None,
+    g.add_argument("--fleet-link-workers", type=positive_int, default=None,
                    help="the link study's fleet size (default: the largest of --fleet-sizes, else --workers)")
-    g.add_argument("--per-worker-rate", type=float, default=0.25,
+    g.add_argument("--per-worker-rate", type=positive_float, default=0.25,
                    help="fleet studies: the rate search starts at this many req/s per worker")
-    g.add_argument("--probe-seconds", type=float, default=60.0,
+    g.add_argument("--probe-seconds", type=positive_float, default=60.0,
                    help="fleet studies: seconds of arrivals per probe (a bigger fleet gets more requests)")
     g.add_argument("--out", default="sim-out", help="folder for results.json, report.md and the plots")
     args = ap.parse_args(argv)
@@ -70,6 +70,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.mode_list = parse_modes(args.modes)
     except ValueError as err:
         ap.error(str(err))
+    if not args.mode_list:
+        ap.error("--modes names no mode")
+    if args.fleet_sizes and min(int(x) for x in args.fleet_sizes.split(",")) < 2:
+        ap.error("--fleet-sizes: a fleet needs 2 workers or more (a prefill and a decode worker)")
     if any(b.get("mode") not in ("colocated", "chunked", "disagg") for _, b in args.mode_list):
         ap.error("the simulator runs colocated, chunked and disagg modes (not auto or server)")
     for label, body in [] if args.fleet_sizes else args.mode_list:
@@ -99,7 +103,24 @@ def load_profile(args):
         p = pf.roofline(acc, args.params, args.kv_bytes_per_token, args.params * args.dtype_bytes, worker)
     if args.kv_cache_tokens and args.profile:
         p.worker.num_blocks = args.kv_cache_tokens // p.worker.block_size
+    if p.worker.num_blocks < 1:
+        _fail(f"--kv-cache-tokens {args.kv_cache_tokens} is less than one KV block ({p.worker.block_size} tokens)")
+    if args.kv_transport and args.kv_transport not in p.links:
+        _fail(f"the profile has no {args.kv_transport!r} link: one of {', '.join(p.links) or '(none)'}")
     return p
+
+
+def _ready_out(folder: str) -> None:
+    """The output folder, made before anything is simulated (not after, when a long run's results would be lost)."""
+    import pathlib
+
+    try:
+        pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
+        probe = pathlib.Path(folder) / ".minipd-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        _fail(f"cannot write to --out {folder}: {err}")
 
 
 def _fail(message: str):
@@ -117,6 +138,7 @@ def run(argv=None) -> int:
     from minipd.sim.runs import sim_goodput, sim_once
 
     profile = load_profile(args)
+    _ready_out(args.out)
     transport = args.kv_transport or next(iter(profile.links), "shm")
     options = Options(transport, trace=args.trace)
     settings = ex.Settings(args.num_prompts, args.duration, args.burstiness, args.seed, args.quick, args.input_len,

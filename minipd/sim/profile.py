@@ -123,11 +123,36 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
-        if d.get("minipd_profile") != FORMAT:
-            raise ValueError(f"not a minipd profile (format {FORMAT}): keys {sorted(d)[:8]}")
-        return cls(StepCost(**d["step"]), WorkerShape(**d["worker"]),
-                   {k: Link(**v) for k, v in d["links"].items()}, Host(**d["host"]), d.get("source", "measured"),
-                   d.get("about", {}), d.get("points", {}))  # fmt: skip
+        if not isinstance(d, dict) or d.get("minipd_profile") != FORMAT:
+            raise ValueError(f"not a minipd profile (format {FORMAT})")
+        profile = cls(StepCost(**d["step"]), WorkerShape(**d["worker"]),
+                      {k: Link(**v) for k, v in d["links"].items()}, Host(**d["host"]), d.get("source", "measured"),
+                      d.get("about", {}), d.get("points", {}))  # fmt: skip
+        profile.check()
+        return profile
+
+    def check(self) -> None:
+        """ValueError naming the first figure that no measurement could give (a negative time, NaN, no blocks)."""
+        def number(where: str, value, low: float = 0.0, strict: bool = False) -> None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < low or (strict and value <= low):  # fmt: skip
+                raise ValueError(f"{where} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+
+        for name in (*TERMS, "gap", "co_runner"):
+            number(f"step.{name}", getattr(self.step, name))
+        for q in self.step.noise:
+            number("step.noise", q, strict=True)
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            number(f"worker.{name}", getattr(self.worker, name), 1)
+        for name in ("kv_bytes_per_token", "decode_headroom_tokens", "workers_per_box"):
+            number(f"worker.{name}", getattr(self.worker, name))
+        for name, link in self.links.items():
+            number(f"links.{name}.latency_s", link.latency_s)
+            if link.bytes_per_s != math.inf:
+                number(f"links.{name}.bytes_per_s", link.bytes_per_s, strict=True)
+        for name in ("dispatch_s", "token_s", "token_quantiles"):
+            for value in getattr(self.host, name) if name == "token_quantiles" else [getattr(self.host, name)]:
+                number(f"host.{name}", value)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
