@@ -74,3 +74,11 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_the_run(tmp_p
 def test_generate_with_a_cache_smaller_than_a_block_says_so(capsys):
     assert main(["generate", "hi", "--model", "tiny-random", "--kv-cache-tokens", "1"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_trace_checks_where_it_writes_before_it_reads(tmp_path, capsys):
+    assert main(["trace", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "no" / "t.json")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["trace", "--last", "-5"])
+    assert e.value.code == 2 and "--last" in capsys.readouterr().err

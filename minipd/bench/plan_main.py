@@ -22,7 +22,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--workload",
         default=None,
-        help="chat, summarize, mixed or fixed: its length distributions "
+        help="chat, summarize, generate, mixed, fixed or phases: its length distributions "
         "(default: chat; fixed when --input-len and --output-len are given)",
     )
     ap.add_argument("--input-len", type=positive_int, default=None, help="the fixed workload's prompt tokens")

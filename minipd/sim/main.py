@@ -147,7 +147,7 @@ def run(argv=None) -> int:
     if args.fleet_sizes or args.fleet_link_gbps:
         return fleet(args, profile, settings)
     rates = [float(r) for r in args.rates.split(",")]
-    print(f"simulating {args.workers} workers from a {profile.source} profile", file=sys.stderr)
+    print(f"simulating {args.workers} workers from a profile ({profile.source})", file=sys.stderr)
     runs, searches = [], []
     for name in args.workloads.split(","):
         for rate in rates:

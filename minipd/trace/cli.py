@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float
 
 READ_BUFSIZE = 2**22  # one SSE line (one event) may be this long, twice over
 
@@ -23,12 +23,12 @@ def add_trace_parser(sub) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the minipd server")
     p.add_argument("--api-key", default=os.environ.get("MINIPD_API_KEY"),
                    help="its API key, if it has one (default: none; env MINIPD_API_KEY)")  # fmt: skip
-    p.add_argument("--seconds", type=float, default=10.0, help="how long to read the event stream")
+    p.add_argument("--seconds", type=positive_float, default=10.0, help="how long to read the event stream")
     since = p.add_mutually_exclusive_group()
-    since.add_argument("--since", type=float, default=0.0,
+    since.add_argument("--since", type=nonnegative_float, default=0.0,
                        help="replay the events the server kept from this epoch time on, then read the new ones "
                             "(default: 0, all it kept: the newest 32 MiB of events)")  # fmt: skip
-    since.add_argument("--last", type=float, default=None,
+    since.add_argument("--last", type=positive_float, default=None,
                        help="replay only the kept events of the last this many seconds (default: all kept)")  # fmt: skip
     p.add_argument("--title", default="minipd", help="the trace's title (in its otherData)")
     p.add_argument("--out", default="trace.json", help="where to write the trace")
@@ -40,8 +40,9 @@ def run(args) -> int:
 
     from minipd.trace.chrome import to_chrome_trace
 
-    if args.seconds <= 0:
-        print("minipd trace: --seconds must be more than 0", file=sys.stderr)
+    folder = os.path.dirname(os.path.abspath(args.out))  # checked before reading: a long read is not lost for it
+    if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        print(f"minipd trace: cannot write {args.out} (no such folder, or not writable)", file=sys.stderr)
         return 2
     since = time.time() - args.last if args.last is not None else args.since
     try:
