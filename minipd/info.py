@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, positive_int
 
 
 def _prefill_linears(onednn: bool, onednn_max_rows: int) -> str:
@@ -117,7 +117,7 @@ def run(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m minipd info", description=__doc__.split("\n\n")[0],
                                  formatter_class=DefaultsFormatter)  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print the same as JSON")
-    ap.add_argument("--head-dim", type=int, default=64, help="the model's head_dim (the default model's: 64)")
+    ap.add_argument("--head-dim", type=positive_int, default=64, help="the model's head_dim (the default model's: 64)")
     args = ap.parse_args(argv)
     info = describe(args.head_dim)
     print(json.dumps(info, indent=2) if args.json else render(info))
