@@ -378,3 +378,15 @@ def test_a_decode_worker_short_of_blocks_does_not_thrash():
     records, sim = simulate(profile(num_blocks=1500), reqs, Mode("disagg"), 2)
     assert all(r.ok and r.output_tokens == 1500 for r in records)
     assert sim.workers[1].scheduler.num_preempted <= 20
+
+
+def test_a_simulated_goodput_no_probe_failed_is_reported_as_a_lower_bound(tmp_path, capsys):
+    """A search whose every probe met the SLOs reported its ceiling as the goodput (as if measured)."""
+    from minipd.sim.main import run as sim_run
+
+    out = tmp_path / "out"
+    assert sim_run(["--estimate", "h100", "--quick", "--num-prompts", "10", "--rates", "0.5", "--modes", "colocated",
+                    "--workers", "2", "--slo-ttft-ms", "100000", "--slo-tpot-ms", "100000", "--goodput-search",
+                    "--search-max-runs", "2", "--out", str(out)]) == 0  # fmt: skip
+    assert "goodput chat colocated: >= " in capsys.readouterr().err
+    assert "| chat | colocated | >= " in (out / "report.md").read_text()

@@ -148,6 +148,7 @@ def run(argv=None) -> int:
     from minipd.bench import experiment as ex
     from minipd.bench import phases as ph
     from minipd.bench import report
+    from minipd.bench.metrics import at_least
     from minipd.bench.server_process import ServerProcess
     from minipd.bench.target import Target, Unreachable
 
@@ -213,7 +214,7 @@ def run(argv=None) -> int:
                     found = ex.goodput_search(target, name, label, body, settings, lo=min(rates), hi=8 * max(rates),
                                               max_runs=args.search_max_runs)  # fmt: skip
                     searches.append(found)
-                    print(f"goodput {name} {label}: {found['goodput_rate']:.2f} req/s "
+                    print(f"goodput {name} {label}: {at_least(found)}{found['goodput_rate']:.2f} req/s "
                           f"({found['goodput_per_worker']:.2f} per worker)", file=sys.stderr)  # fmt: skip
             for gbps in links if target.is_minipd else []:
                 body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": gbps}
@@ -312,6 +313,8 @@ def _one_decoder_batch(plan, profile, traffic, rate: float) -> float:
 
 
 def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
+    from minipd.bench.metrics import at_least
+
     from minipd.bench import experiment as ex
 
     out = []
@@ -328,9 +331,9 @@ def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
                 "|---|---|---|---|---|---|"]  # fmt: skip
         for s in searches:
             probes = ", ".join(f"{r:.2f}: {a:.0%}" for r, a in s["probes"])
-            at_least = ">= " if all(a >= 0.9 for _, a in s["probes"]) else ""  # no probe failed: a lower bound
-            out.append(f"| {s['workload']} | {s['label']} | {at_least}{s['goodput_rate']:.2f} | {s['workers']} "
-                       f"| {at_least}{s['goodput_per_worker']:.2f} | {probes} |")  # fmt: skip
+            bound = at_least(s)
+            out.append(f"| {s['workload']} | {s['label']} | {bound}{s['goodput_rate']:.2f} | {s['workers']} "
+                       f"| {bound}{s['goodput_per_worker']:.2f} | {probes} |")  # fmt: skip
         out.append("")
     if link_runs:
         out += ["## KV link study (disagg over tcp at each emulated link rate)", ""]

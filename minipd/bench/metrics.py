@@ -129,6 +129,12 @@ def summarize(
     return out
 
 
+def at_least(search: dict, target: float = 0.9) -> str:
+    """">= " when no probe of a goodput search failed: its goodput is then only a lower bound (the search's
+    ceiling, or where it ran out of probes)."""
+    return ">= " if all(a >= target for _, a in search["probes"]) else ""
+
+
 def distserve_goodput(
     attainment_at_rate: Callable[[float], float],
     *,
