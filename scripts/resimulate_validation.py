@@ -20,7 +20,7 @@ from minipd.cli_help import positive_int
 from minipd.sim.cluster import Options
 from minipd.sim.profile import Profile
 from minipd.sim.runs import sim_once
-from minipd.sim.validate import compare
+from minipd.sim.validate import FIGURES, compare
 
 DURATIONS = {"chat-1": 60, "summarize-0.15": 120, "summarize-0.3": 120, "generate-1.2": 80}  # the runs' --duration
 METRICS = ("TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "ITL p50", "ITL p90", "throughput (out tok/s)")
@@ -49,13 +49,8 @@ def main() -> None:
         profile = Profile.from_dict(json.loads((Path(args.folder) / folder / "profile.json").read_text()))
         for measured, then in zip(v["runs"], v["simulated_runs"]):
             assert measured["label"] == then["label"]
-            real = {"summary": {}}
-            for row in measured["rows"]:
-                key = {"TTFT p50": "median_ttft_ms", "TTFT p90": "p90_ttft_ms", "TPOT p50": "median_tpot_ms",
-                       "TPOT p90": "p90_tpot_ms", "ITL p50": "median_itl_ms", "ITL p90": "p90_itl_ms",
-                       "throughput (req/s)": "request_throughput", "throughput (out tok/s)": "output_throughput",
-                       "SLO attainment": "slo_attainment"}[row["metric"]]  # fmt: skip
-                real["summary"][key] = row["measured"]
+            keys = {metric: key for metric, key, *_ in FIGURES}
+            real = {"summary": {keys[row["metric"]]: row["measured"] for row in measured["rows"] if row["metric"] in keys}}
             s = ex.Settings(None, duration, then["burstiness"], then["seed"], then["quick"], None, None, None,
                             then["slo_ttft_ms"], then["slo_tpot_ms"], False)  # fmt: skip
             errors: dict[str, list[float]] = {m: [] for m in GRADED}

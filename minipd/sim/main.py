@@ -164,8 +164,7 @@ def run(argv=None) -> int:
                       file=sys.stderr)  # fmt: skip
     import pathlib
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(args.out)  # made by _ready_out
     if args.trace:
         write_traces(out, runs)
     for r in runs:
@@ -230,8 +229,7 @@ def fleet(args, profile, settings) -> int:
 
     from minipd.sim import fleet as fl
 
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(args.out)  # made by _ready_out
     s = fl.fixed_duration(settings, args.probe_seconds)
     name = args.workloads.split(",")[0]
     sizes = [int(x) for x in (args.fleet_sizes or str(args.workers)).split(",")]

@@ -13,16 +13,16 @@ TARGETS = {"median": 0.10, "p90": 0.20}  # |simulated / measured - 1| within the
 THROUGHPUT = (("request_throughput", "req/s"), ("output_throughput", "out tok/s"))
 
 
+# the graded figures: (metric, its key in a run's summary, target, unit)
+FIGURES = [(f"{name} {'p50' if stat == 'median' else stat}", f"{stat}_{key}_ms", limit, "ms")
+           for key, name in METRICS for stat, limit in TARGETS.items()] + \
+          [(f"throughput ({unit})", key, TARGETS["median"], unit) for key, unit in THROUGHPUT]  # fmt: skip
+
+
 def compare(real: dict, sim: dict) -> list[dict]:
     """One row per metric: measured, simulated, relative error, and whether it is within target."""
     a, b = real["summary"], sim["summary"]
-    rows = []
-    for key, name in METRICS:
-        for stat, limit in TARGETS.items():
-            rows.append(_row(f"{name} {'p50' if stat == 'median' else stat}", a.get(f"{stat}_{key}_ms"),
-                             b.get(f"{stat}_{key}_ms"), limit, "ms"))  # fmt: skip
-    for key, unit in THROUGHPUT:
-        rows.append(_row(f"throughput ({unit})", a.get(key), b.get(key), TARGETS["median"], unit))
+    rows = [_row(metric, a.get(key), b.get(key), limit, unit) for metric, key, limit, unit in FIGURES]
     if a.get("slo_attainment") is not None:
         rows.append(_row("SLO attainment", a["slo_attainment"], b.get("slo_attainment"), None, ""))
     return rows
