@@ -46,10 +46,14 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     parser = argparse.ArgumentParser(prog="python -m minipd", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"minipd {version('minipd')}")
+    try:
+        installed = version("minipd")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, never pip-installed
+        installed = "(source tree, not installed)"
+    parser.add_argument("--version", action="version", version=f"minipd {installed}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="answer one prompt offline and exit",
                          formatter_class=DefaultsFormatter)  # fmt: skip

@@ -82,3 +82,19 @@ def test_trace_checks_where_it_writes_before_it_reads(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["trace", "--last", "-5"])
     assert e.value.code == 2 and "--last" in capsys.readouterr().err
+
+
+def test_the_cli_runs_from_a_source_tree_that_was_never_installed(monkeypatch, capsys):
+    """Defect found on the GPU machine: `python -m minipd` from a checkout on PYTHONPATH (no pip
+    install) died in build_parser, since --version read the installed package's metadata."""
+    import importlib.metadata
+
+    from minipd.__main__ import build_parser
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert "minipd" in capsys.readouterr().out
