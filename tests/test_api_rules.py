@@ -253,7 +253,7 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"priority": 1}, "priority"), ({"priority": False}, "priority"), ({"early_stopping": 0}, "early_stopping"),
     ({"length_penalty": True}, "length_penalty"), ({"add_generation_prompt": 1}, "add_generation_prompt"), ({"logits_processors": ["m.P"]}, "logits_processors"),
     ({"prompt_embeds": "AAAA"}, "prompt_embeds"), ({"kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
-    ({"vllm_xargs": {"a": 1}}, "vllm_xargs"), ({"return_token_ids": True}, "return_token_ids"),
+    ({"vllm_xargs": {"a": 1}}, "vllm_xargs"),
     ({"request_id": "mine"}, "request_id"),
     ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
     ({"skip_special_tokens": 0}, "skip_special_tokens"), ({"add_special_tokens": "no"}, "add_special_tokens"),

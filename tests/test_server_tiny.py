@@ -618,3 +618,25 @@ async def test_other_streams_do_not_stall_while_huge_prompts_are_refused(server)
     assert [s for s, _ in statuses] == [400] * 4 and all(t < 2.0 for _, t in statuses), statuses
     during = [b - a for a, b in zip(times, times[1:]) if hostile_from <= b and a <= hostile_until]
     assert during and max(during) < 0.5, max(during)
+
+
+def test_return_token_ids_gives_the_prompt_and_reply_ids_as_vllm(server):
+    """vLLM's return_token_ids (it was refused): completions' choices carry prompt_token_ids and
+    token_ids, chat's response prompt_token_ids and its choices token_ids; a stream sends each
+    chunk's ids, also where the text is empty (a model without a tokenizer streams ids only)."""
+    prompt = [5, 17, 300, 42, 8, 99]
+    named = completion(server, prompt, max_tokens=6, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True)
+    want = [int(t.removeprefix("token_id:")) for t in named["choices"][0]["logprobs"]["tokens"]]
+    got = completion(server, prompt, max_tokens=6, ignore_eos=True, return_token_ids=True)["choices"][0]
+    assert got["prompt_token_ids"] == prompt and got["token_ids"] == want
+    assert "token_ids" not in completion(server, prompt, max_tokens=2)["choices"][0]
+    status, raw = http("POST", server.url + "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                               "ignore_eos": True, "stream": True, "return_token_ids": True})  # fmt: skip
+    chunks = [json.loads(line[6:])["choices"][0] for line in raw.split("\n") if line.startswith("data: {")]
+    assert status == 200 and [t for c in chunks for t in c["token_ids"]] == want
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    status, chat = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                        "ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert status == 200 and len(chat["choices"][0]["token_ids"]) == 3 and len(chat["prompt_token_ids"]) > 3
+    status, err = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "return_token_ids": "yes"})
+    assert status == 400 and err["error"]["param"] == "return_token_ids"

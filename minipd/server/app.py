@@ -287,7 +287,7 @@ class Api:
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         total = num * len(prompts)
         reply = Reply(rid, [], chat, [echo for echo in echoes for _ in range(num)], token_text,
-                      sum(map(len, prompts)))  # fmt: skip
+                      sum(map(len, prompts)), p.flag(body, "return_token_ids"))  # fmt: skip
         try:
             for index in range(total):  # every choice a request of its own; a lone one keeps the reply's id
                 ids, params_i = prompts[index // num], choice_params(params, index % num)
@@ -306,10 +306,11 @@ class Api:
     async def _collect(self, reply: Reply) -> web.Response:
         states, chat = reply.states, reply.chat
         texts, counts, ends = [""] * len(states), [0] * len(states), [None] * len(states)
-        logprobs = [[] for _ in states]
+        logprobs, token_ids = [[] for _ in states], [[] for _ in states]
         async with aclosing(deltas_of(states)) as deltas:
             async for i, d in deltas:
                 texts[i] += d.text
+                token_ids[i] += d.token_ids or []
                 counts[i] += d.num_tokens
                 logprobs[i] += d.logprobs or []
                 if d.error:
@@ -321,8 +322,12 @@ class Api:
         body["choices"] = [make(reply.rid, self.model_name, 0, text, end, use)["choices"][0] | {"index": i}
                            for i, (text, end) in enumerate(zip(texts, ends))]  # fmt: skip
         params = states[0].params
-        for choice, entries, state, echo in zip(body["choices"], logprobs, states, reply.echoes):
+        if reply.return_token_ids and chat:
+            body["prompt_token_ids"] = states[0].prompt_token_ids
+        for choice, entries, state, echo, ids in zip(body["choices"], logprobs, states, reply.echoes, token_ids):
             choice["stop_reason"] = state.stop_reason
+            if reply.return_token_ids:
+                choice.update({"token_ids": ids} if chat else {"prompt_token_ids": state.prompt_token_ids, "token_ids": ids})
             writer = LogprobsWriter(reply.token_text, chat)
             scored = echo is not None and params.logprobs is not None and not chat  # completions' echo has logprobs
             head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if scored else None
@@ -373,7 +378,14 @@ class Api:
         writers = [LogprobsWriter(reply.token_text, chat) if s.params.logprobs is not None else None for s in states]
         logprobs = [[] for _ in states]  # of tokens whose text has not gone yet (held back: half a character, a stop string's start)
 
-        async def send_chunk(obj: dict, index: int) -> None:
+        prompt_ids_sent = [False] * len(states)
+
+        async def send_chunk(obj: dict, index: int, token_ids: list[int] | None = None) -> None:
+            if reply.return_token_ids:  # as vLLM: the prompt's ids in a choice's first chunk, each chunk's own ids
+                obj["choices"][0]["token_ids"] = token_ids or []
+                if not prompt_ids_sent[index]:
+                    prompt_ids_sent[index] = True
+                    (obj if chat else obj["choices"][0])["prompt_token_ids"] = states[index].prompt_token_ids
             if opts.continuous_usage:  # as vLLM: the usage of this chunk's choice so far
                 obj["usage"] = p.usage(len(states[index].prompt_token_ids), counts[index])
             if writers[index] is not None and logprobs[index]:
@@ -395,12 +407,12 @@ class Api:
                 if d.error:
                     await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
                     break
-                if d.text or d.finish_reason:
+                if d.text or d.finish_reason or (reply.return_token_ids and d.token_ids):
                     text = {"content": d.text} if chat else d.text
                     obj = chunk(text if d.text or not chat else {}, d.finish_reason, i)
                     if d.finish_reason:
                         obj["choices"][0]["stop_reason"] = states[i].stop_reason
-                    await send_chunk(obj, i)
+                    await send_chunk(obj, i, d.token_ids)
         if opts.include_usage:
             obj = chunk({}, None)
             obj["choices"] = []

@@ -22,6 +22,7 @@ class Reply:
     echoes: list[str | None]  # per choice: the text it starts with (echo: its prompt's; chat: the assistant's), or None
     token_text: Callable[[int], str]  # how logprobs name a token
     prompt_tokens: int  # the usage's: each prompt counted once, however many choices it has
+    return_token_ids: bool = False  # vLLM's: the prompt's and the reply's token ids beside the text
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

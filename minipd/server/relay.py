@@ -56,7 +56,7 @@ class Relay:
         if msg.finished:
             state.stop_reason = msg.stop_reason
             return msg.finish_reason, text, logprobs
-        state.deltas.put_nowait(Delta(text, len(msg.token_ids), logprobs=logprobs))
+        state.deltas.put_nowait(Delta(text, len(msg.token_ids), logprobs=logprobs, token_ids=msg.token_ids))
         return None, "", None
 
     def event(self, state: RequestState, msg: m.Event) -> None:

@@ -19,6 +19,7 @@ class Delta:
     error_status: int = 500  # what the client is told: 500 a fault, 503 a limit or a state a retry may pass
     error_code: str | None = None
     logprobs: list | None = None  # per token, when the request asked: [id, logprob, [[id, logprob], ...]]
+    token_ids: list[int] | None = None  # the tokens this delta adds
 
 
 @dataclass(slots=True)
