@@ -23,14 +23,17 @@ def main() -> int:
         if not ok:
             failed.append(name)
 
-    def outputs(server, **kw) -> list[str]:
-        texts = []
+    def outputs(server, **kw) -> list[tuple[str, list[int]]]:
+        """Each reply's text and token ids (without the default model installed, tiny-random has no
+        tokenizer and every text is empty: the ids are what is compared)."""
+        replies = []
         for p in prompts:
-            status, body = server.post("/v1/completions", {"prompt": p, "max_tokens": 16, "ignore_eos": True, **kw})
+            status, body = server.post("/v1/completions", {"prompt": p, "max_tokens": 16, "ignore_eos": True,
+                                                           "return_token_ids": True, **kw})  # fmt: skip
             if status != 200:
                 raise RuntimeError(f"HTTP {status}: {body}")
-            texts.append(body["choices"][0]["text"])
-        return texts
+            replies.append((body["choices"][0]["text"], body["choices"][0]["token_ids"]))
+        return replies
 
     common = ("--model", args.model, "--log-level", "warning")
     cpu = ServerProcess(*common, "--workers", "2", "--threads-per-worker", "1")

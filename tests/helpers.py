@@ -85,15 +85,15 @@ def wait_for_health(server: ServerProcess, status: str, timeout: float) -> dict:
 
 async def stream_completions(url: str, prompts: list, max_tokens: int, on_token=None, **extra) -> list[dict]:
     """One streaming completion per prompt, all at once (greedy, ignore_eos). Each result has the
-    request id, its text, and the error event's message if the stream ended with one."""
+    request id, its text and token ids, and the error event's message if the stream ended with one."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
 
         async def one(i, prompt):
             body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, **extra}  # fmt: skip
-            out = {"id": None, "text": "", "error": None}
+                    "stream": True, "return_token_ids": True, **extra}  # fmt: skip
+            out = {"id": None, "text": "", "token_ids": [], "error": None}
             async with session.post(url + "/v1/completions", json=body) as resp:
                 if resp.status != 200:
                     out["error"] = f"HTTP {resp.status}: {await resp.text()}"
@@ -107,6 +107,7 @@ async def stream_completions(url: str, prompts: list, max_tokens: int, on_token=
                         continue
                     out["id"] = obj["id"]
                     out["text"] += obj["choices"][0]["text"]
+                    out["token_ids"] += obj["choices"][0]["token_ids"]
                     if on_token is not None:
                         on_token(i)
             return out

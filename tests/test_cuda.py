@@ -41,3 +41,29 @@ def test_handoff_between_cuda_engines(models):
     prefill = make_engine(gpu, role="prefill", device="cuda:0")
     decode = make_engine(gpu, role="decode", device="cuda:0")
     assert run_disaggregated(prefill, decode, PROMPTS, params) == want
+
+
+def test_a_live_switch_on_cuda_moves_replies_over_cuda_ipc_without_changing_a_token():
+    """Issue 16's move in the cuda-ipc transport: two workers on one card, replies streaming while
+    the mode changes; the moved replies' text is the text of a run that never moved."""
+    import asyncio
+
+    from tests.helpers import serving, stream_completions, wait_for_idle_workers
+    from tests.test_live_switch import MAX_TOKENS, PROMPTS, SEEDED, TINY, streams_with_a_switch, texts
+
+    with serving(*TINY, "--device", "cuda", "--gpus", "0,0", "--kv-transport", "cuda-ipc") as server:
+        want_greedy = texts(asyncio.run(stream_completions(server.url, PROMPTS, MAX_TOKENS)))
+        want_seeded = texts(asyncio.run(stream_completions(server.url, PROMPTS[:4], MAX_TOKENS, **SEEDED)))
+        for body, must_move in (
+            ({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, True),
+            ({"mode": "chunked", "chunk_tokens": 64, "workers": 1}, True),
+            ({"mode": "colocated", "workers": 2}, False),
+        ):
+            greedy, seeded, (status, answer) = asyncio.run(streams_with_a_switch(server, body, after_tokens=4))
+            assert status == 200, answer
+            switch = answer["switch"]
+            assert switch["changed"] and switch["not_moved"] == 0, switch
+            assert (switch["moved"] > 0) == must_move, switch
+            assert texts(greedy) == want_greedy, body
+            assert texts(seeded) == want_seeded, body
+            wait_for_idle_workers(server, 20)

@@ -47,8 +47,9 @@ async def streams_with_a_switch(server, body: dict, after_tokens: int = 8, promp
 
 
 def texts(results):
+    """Each reply's text and token ids (the ids alone tell replies apart where there is no tokenizer)."""
     assert all(r["error"] is None for r in results), [r["error"] for r in results]
-    return [r["text"] for r in results]
+    return [(r["text"], r["token_ids"]) for r in results]
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
