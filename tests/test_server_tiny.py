@@ -640,3 +640,14 @@ def test_return_token_ids_gives_the_prompt_and_reply_ids_as_vllm(server):
     assert status == 200 and len(chat["choices"][0]["token_ids"]) == 3 and len(chat["prompt_token_ids"]) > 3
     status, err = server.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "return_token_ids": "yes"})
     assert status == 400 and err["error"]["param"] == "return_token_ids"
+
+
+def test_a_stream_sends_a_chunk_for_every_step_even_where_the_text_is_empty(server):
+    """As vLLM: tokens whose text is empty (skipped special tokens, a model without a tokenizer)
+    still get their chunk, so a client sees each token when it is made, not all at the end."""
+    status, raw = http("POST", server.url + "/v1/completions", {
+        "prompt": [5, 17, 300], "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logit_bias": {"2": 100},
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    made = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert status == 200 and made == [1, 2, 3, 4] and all(c["choices"][0]["text"] == "" for c in chunks if c["choices"])

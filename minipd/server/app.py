@@ -407,7 +407,7 @@ class Api:
                 if d.error:
                     await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
                     break
-                if d.text or d.finish_reason or (reply.return_token_ids and d.token_ids):
+                if d.text or d.finish_reason or d.token_ids:  # as vLLM: a chunk per step that made tokens, its text may be empty
                     text = {"content": d.text} if chat else d.text
                     obj = chunk(text if d.text or not chat else {}, d.finish_reason, i)
                     if d.finish_reason:
