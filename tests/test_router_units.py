@@ -312,3 +312,20 @@ def test_preemptions_are_counted_in_metrics_as_vllm_counts_them():
     for worker, preempted in [(0, 3), (1, 2), (0, 5), (0, 5), (1, 1), (1, 4)]:  # worker 1 restarted at 1
         router.on_message(m.WorkerStats(worker, "both", 1, 0, 8, 0, 0, 64, preempted, {}))
     assert total() == 5 + 2 + 4
+
+
+@pytest.mark.asyncio
+async def test_a_second_move_of_a_request_whose_move_is_asking_for_a_seat_says_it_is_under_way():
+    """Defect (two drains of one worker at once): the second move of the same request asked for a
+    second seat under the same key and answered, 5 s later, 'no worker that can decode had room'."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
+    await placed(router)
+    pool.workers[0].draining = True
+    first = asyncio.ensure_future(router.mover.move(state, "drain"))
+    await sent(pool, m.ReserveSeats)
+    second = await asyncio.wait_for(router.mover.move(state, "drain"), 1)
+    assert second.outcome == "under_way" and "under way" in second.detail
+    assert not first.done()
+    first.cancel()

@@ -37,6 +37,7 @@ class Mover:
     def __init__(self, router):
         self.router = router
         self.pending: dict[str, tuple[MoveRecord, asyncio.Future]] = {}  # key -> (record, done)
+        self.asking: set[str] = set()  # keys whose move waits for a seat
         self.recent: deque[dict] = deque(maxlen=KEPT_MOVES)
         self.counts: dict[str, int] = {}
 
@@ -47,7 +48,8 @@ class Mover:
     def settled_on(self, state) -> int | None:
         """The worker a request runs on, if it is not between workers (a handoff or move under way)."""
         p = state.placement
-        if state.finished or p is None or not p.dispatched or p.reader is not None or p.key in self.pending:
+        if (state.finished or p is None or not p.dispatched or p.reader is not None or p.key in self.pending
+                or p.key in self.asking):  # fmt: skip
             return None
         return p.worker
 
@@ -82,13 +84,19 @@ class Mover:
         r = self.router
         source = self.settled_on(state)
         rec = MoveRecord(state.request_id, state.placement.key if state.placement else "", source, reason, time.time())
+        if rec.key in self.asking or rec.key in self.pending:
+            return self._end(rec, "under_way", "another move of this request is under way")
         if source is None:
             return self._end(rec, "ended", "the request is not settled on a worker")
         p = state.placement
         longest = len(state.prompt_token_ids) + state.params.max_tokens
         num_tokens = min(len(state.prompt_token_ids) + len(state.output_token_ids) + SLACK_TOKENS, longest)
         headroom = r.dispatcher._headroom(state, num_tokens)
-        grant = await r.seats.ask(state, p.key, num_tokens, headroom, source, target_roles)
+        self.asking.add(p.key)
+        try:
+            grant = await r.seats.ask(state, p.key, num_tokens, headroom, source, target_roles)
+        finally:
+            self.asking.discard(p.key)
         if grant is None:
             return self._end(rec, "no_seat", "no worker that can decode had room, or the request ended")
         reader, seat = grant
