@@ -651,3 +651,17 @@ def test_a_stream_sends_a_chunk_for_every_step_even_where_the_text_is_empty(serv
     chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
     made = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert status == 200 and made == [1, 2, 3, 4] and all(c["choices"][0]["text"] == "" for c in chunks if c["choices"])
+
+
+def test_an_echoed_streams_first_chunk_carries_the_prompt_ids_and_usage(server):
+    """Defect: with echo (or prompt_logprobs) the first chunk, the prompt's, had neither
+    prompt_token_ids (return_token_ids) nor usage (continuous_usage_stats); the ids came in the next."""
+    prompt = [5, 17, 300]
+    for extra in ({"echo": True}, {"prompt_logprobs": 0}):
+        status, raw = http("POST", server.url + "/v1/completions", {
+            "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **extra})  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+        first = chunks[0]
+        assert status == 200 and first["choices"][0]["prompt_token_ids"] == prompt, extra
+        assert "usage" in first and all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:] if c["choices"])

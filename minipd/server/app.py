@@ -4,6 +4,7 @@ The only place where the server's errors become HTTP status codes."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -401,7 +402,7 @@ class Api:
             async for i, d in deltas:
                 if not started[i] and not d.error:  # the prompt's part comes first: known once its first token is
                     started[i] = True
-                    await self._stream_prompt(reply, i, send, chunk, writers[i])
+                    await self._stream_prompt(reply, i, functools.partial(send_chunk, index=i), chunk, writers[i])
                 counts[i] += d.num_tokens
                 logprobs[i] += d.logprobs or []
                 if d.error:
