@@ -915,3 +915,15 @@ def test_modalities_text_is_the_default_and_taken():
     with pytest.raises(ApiError) as e:
         refuse_unsupported({"modalities": ["text", "audio"]})
     assert e.value.param == "modalities"
+
+
+async def test_tokenize_from_a_foreign_page_is_ruled_as_the_api_is(tokenizer):
+    """Defect: /tokenize and /detokenize (vLLM's, beside /v1) refused every foreign page with 'cannot
+    change this server', even one --allowed-origins lists, and never sent it CORS headers."""
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/tokenize", json={"prompt": "hi"}, headers={"Origin": EVIL})
+        assert resp.status == 403 and "--allowed-origins" in (await error_of(resp))["message"]
+    async with api_client(tokenizer, allowed_origins=[EVIL]) as client:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
+            resp = await client.post(path, json=body, headers={"Origin": EVIL})
+            assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == EVIL, path

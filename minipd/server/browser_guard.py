@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+API_PATHS = ("/v1", "/tokenize", "/detokenize")  # what --allowed-origins opens to other pages (vLLM's API)
 OTHER_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site of a request another page made
 LOCAL_NAMES = ("localhost", "localhost.localdomain")
 
@@ -97,7 +98,7 @@ class BrowserGuard:
         elif fetch_site not in OTHER_SITE:
             return None
         page = origin or f"another site (Sec-Fetch-Site: {fetch_site})"
-        if path.startswith("/v1"):
+        if path.startswith(API_PATHS):
             if origin is not None and self.listed(origin) or "*" in self.allowed_origins:
                 return None
             return (f"requests from the web page at {page} are not allowed; start the server with "
@@ -109,7 +110,7 @@ class BrowserGuard:
         return None
 
     def cors_headers(self, origin: str | None, path: str) -> dict[str, str]:
-        if origin is None or not path.startswith("/v1") or not self.listed(origin):
+        if origin is None or not path.startswith(API_PATHS) or not self.listed(origin):
             return {}
         return {"Access-Control-Allow-Origin": "*" if "*" in self.allowed_origins else origin, "Vary": "Origin"}
 
