@@ -281,3 +281,13 @@ async def test_a_body_without_a_mode_sent_during_a_switch_is_judged_by_the_mode_
     once, judged against colocated (the mode served when it arrived)."""
     mode = await switch_during_a_switch(DISAGG, {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 64})
     assert mode == Mode("disagg", 1, 1, chunk_tokens=64)
+
+
+@pytest.mark.asyncio
+async def test_every_worker_named_is_the_same_mode_as_all_workers_and_shown_one_way():
+    """Defect: {"mode": "colocated", "workers": 2} on two workers re-roled nobody but was a 'change',
+    and GET /admin/mode showed "workers": 2 where the same state at start showed no field."""
+    router = serving_router()
+    api = Api(router, "m", 128)
+    same = await asyncio.wait_for(router.set_mode(Mode("colocated", workers=2)), 1)  # no worker is asked
+    assert same["changed"] is False and await reported(api) == {"mode": "colocated", "last_switch": same}

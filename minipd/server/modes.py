@@ -4,6 +4,7 @@ replies that must go elsewhere; or, on request, drain first."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -147,16 +148,20 @@ class ModeSwitcher:
         self.move_timeout: float | None = None  # how long a switch's answer waits for its moves (they go on
         # after; counted as under_way); None: just past a handoff's lease, by which each has ended
 
+    def _checked(self, mode: Mode) -> Mode:
+        """The mode checked against the workers there are, every worker named the same as all."""
+        mode.check(len(self.router.pool.workers))
+        return dataclasses.replace(mode, workers=None) if mode.workers == len(self.router.pool.workers) else mode
+
     async def switch(self, mode: Mode | Callable[[Mode], Mode], drain: bool = False) -> dict:
         """`mode`, or what a function makes of the mode served once the switches before this one
         are over (a POST /admin/mode body keeps omitted settings from that mode, not an earlier one)."""
         r = self.router
         if isinstance(mode, Mode):
-            mode.check(len(r.pool.workers))
+            mode = self._checked(mode)
         async with self.lock:
             if not isinstance(mode, Mode):
-                mode = mode(r.mode)
-                mode.check(len(r.pool.workers))
+                mode = self._checked(mode(r.mode))
             old, started = r.mode, time.time()
             if mode == old and r.ready:
                 return self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
