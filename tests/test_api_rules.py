@@ -907,7 +907,7 @@ async def test_tokenize_follows_the_chat_rules_and_detokenize_keeps_special_toke
         assert resp.status == 400 and (await error_of(resp))["param"] == "skip_special_tokens"
 
 
-def test_modalities_text_is_the_default_and_taken():
+async def test_modalities_text_is_the_default_and_taken():  # the module marks every test asyncio
     from minipd.server.protocol import ApiError, refuse_unsupported
 
     refuse_unsupported({"modalities": ["text"]})
