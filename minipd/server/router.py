@@ -203,8 +203,7 @@ class Router:
             for tokens in self.relay.in_order(state, msg):
                 reason, text, logprobs = self.relay.tokens(state, tokens)
                 if reason is not None:
-                    self._end(state, finish_reason=reason, text=text, num_tokens=len(tokens.token_ids), logprobs=logprobs,
-                              token_ids=tokens.token_ids)
+                    self._end(state, finish_reason=reason, text=text, logprobs=logprobs, token_ids=tokens.token_ids)
                     self.release_holders(state, skip=tokens.worker_id if tokens.finished else None)
                     break
         elif isinstance(msg, m.Event):
@@ -281,7 +280,7 @@ class Router:
         self.seats.on_worker_change(msg.worker_id)
 
     def _end(self, state: RequestState, finish_reason: str | None = None, error: str | None = None,
-             text: str = "", num_tokens: int = 0, error_status: int = 500, error_code: str | None = None,
+             text: str = "", error_status: int = 500, error_code: str | None = None,
              logprobs: list | None = None, token_ids: list[int] | None = None) -> None:  # fmt: skip
         if state.finished:
             return
@@ -297,8 +296,8 @@ class Router:
         self.advisor.on_finished(timeline)
         while len(self.finished) > KEPT_TIMELINES:
             self.finished.popitem(last=False)
-        state.deltas.put_nowait(Delta(text, num_tokens, state.finish_reason, error, error_status, error_code, logprobs,
-                                     token_ids))
+        state.deltas.put_nowait(Delta(text, len(token_ids or ()), state.finish_reason, error, error_status, error_code,
+                                      logprobs, token_ids))
 
     # ---- worker deaths -------------------------------------------------------------------------
     def on_worker_lost(self, worker_id: int, cause: str) -> None:
