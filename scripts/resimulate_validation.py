@@ -4,7 +4,11 @@ measured then. Shows how far the simulated figures move with the simulator's own
 step-time and delivery noise drawn from the profile's measured spread), which is the least error a
 validation run this small can show.
 
-    python scripts/resimulate_validation.py [--seeds 5] [--out docs/validation/resimulated.md]
+    python scripts/resimulate_validation.py [--seeds 5] [--refit] [--out docs/validation/resimulated.md]
+
+--refit fits the step model again on the steps each profile measured (kept in the profile), with
+today's fit, instead of taking the coefficients fitted then: a change of the step model measured on
+the same data.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 from minipd.bench import experiment as ex
 from minipd.cli_help import positive_int
 from minipd.sim.cluster import Options
-from minipd.sim.profile import Profile
+from minipd.sim.profile import Profile, fit_steps
 from minipd.sim.runs import sim_once
 from minipd.sim.validate import FIGURES, compare
 
@@ -37,16 +41,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=positive_int, default=5, help="noise seeds per run (0, 1, ...)")
     ap.add_argument("--folder", default="docs/validation")
+    ap.add_argument("--refit", action="store_true", help="fit the step model again on each profile's measured steps")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = ap.parse_args()
     lines = [f"Simulated again on {platform.python_implementation()} {platform.python_version()} with noise seeds "
-             f"0-{args.seeds - 1}: the median error over the seeds, [lowest, highest]; bold: the median outside "
+             f"0-{args.seeds - 1}{', the step model fitted again on each profile' + chr(39) + 's steps' if args.refit else ''}: the median error over the seeds, [lowest, highest]; bold: the median outside "
              "the target (p50 and throughput within 10%, p90 within 20%).", "",
              "| run | mode | " + " | ".join(m.replace("throughput (out tok/s)", "out tok/s") for m in METRICS)
              + " | within target (median) |", "|---|---|" + "---|" * (len(METRICS) + 1)]  # fmt: skip
     for folder, duration in DURATIONS.items():
         v = json.loads((Path(args.folder) / folder / "validation.json").read_text())
         profile = Profile.from_dict(json.loads((Path(args.folder) / folder / "profile.json").read_text()))
+        if args.refit:
+            gap = profile.step.gap
+            profile.step, _ = fit_steps([dict(s) for s in profile.points["steps"]])
+            profile.step.gap = gap
         for measured, then in zip(v["runs"], v["simulated_runs"]):
             assert measured["label"] == then["label"]
             keys = {metric: key for metric, key, *_ in FIGURES}

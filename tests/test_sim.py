@@ -44,6 +44,29 @@ def test_fit_recovers_the_coefficients_of_exact_steps():
     assert got.noise[0] == pytest.approx(1.0) and got.noise[-1] == pytest.approx(1.0)
 
 
+def test_fit_finds_the_batch_past_which_each_decode_costs_more():
+    """Decode steps cost more per row past some batch (on the CPU, where the small-row kernel hands
+    the products to oneDNN): the step model's decode term bends there, and the fit finds where."""
+    rng = np.random.default_rng(1)
+    truth = StepCost(0.02, 3e-4, 2e-9, 1.5e-3, 4e-7, per_mixed_decode=5e-4, decode_knee=8, per_decode_past_knee=2.5e-3)
+    steps = []
+    for i in range(300):
+        p, d = int(rng.integers(0, 1000)) * (i % 3 == 0), int(rng.choice([1, 2, 4, 8, 12, 16, 24, 32]))
+        pa, dc = p * (p + 1) // 2, d * int(rng.integers(10, 2000))
+        t = truth.seconds(p, pa, d, dc)
+        steps.append({"time": 100.0, "end": 100.0 + t, "prefill_tokens": p, "prefill_attention": pa, "decodes": d,
+                      "decode_context": dc})  # fmt: skip
+    assert truth.seconds(0, 0, 16, 0) - truth.seconds(0, 0, 8, 0) == pytest.approx(8 * (1.5e-3 + 2.5e-3))
+    got, quality = fit_steps(steps)
+    assert got.decode_knee == 8
+    for name in ("fixed", "per_prefill_token", "per_decode", "per_decode_context", "per_mixed_decode",
+                 "per_decode_past_knee"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert quality["p90_abs_rel_error"] < 1e-9
+    run = got.decode_run_seconds(16, 100, 3)  # a run of decode steps costs what seconds() says, to the bit
+    assert run == [got.seconds(0, 0, 16, 100 + i * 16) for i in range(3)]
+
+
 def test_nonnegative_least_squares_never_gives_a_negative_cost():
     a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
     b = np.array([3.0, 2.0, 1.0])  # the best line falls: its slope would be negative

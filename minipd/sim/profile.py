@@ -7,9 +7,12 @@ The step model is linear in what the scheduler put in the step (StepShape):
     step = fixed + prefill_tokens * per_prefill_token + prefill_attention * per_attention_pair
                  + decodes * per_decode + decode_context * per_decode_context
                  + (decodes in a step that also reads prompt tokens) * per_mixed_decode
+                 + (decodes past decode_knee) * per_decode_past_knee
 
 fitted on measured steps by non-negative least squares on relative error (a 20 ms decode step
-counts as much as a 2 s prefill), and `gap` is the worker's own time between two steps."""
+counts as much as a 2 s prefill), with the knee at the measured batch size that fits best (a
+step's cost per decode grows where the engine's product changes kind: on the CPU, where the
+small-row kernel hands the products to oneDNN), and `gap` is the worker's own time between two steps."""
 
 from __future__ import annotations
 
@@ -24,12 +27,16 @@ import numpy as np
 
 FORMAT = 1
 GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work)
-TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode")
+TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode",
+         "per_decode_past_knee")
+MAX_KNEES_TRIED = 8
 
 
-def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> tuple:
+def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int, knee: int) -> tuple:
     mixed = decodes if prefill_tokens else 0
-    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context), float(mixed))
+    past = max(0, decodes - knee) if knee else 0
+    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context), float(mixed),
+            float(past))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -43,17 +50,29 @@ class StepCost:
     gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
     noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
     co_runner: float = 0.0  # a step is (1 + co_runner x b) slower, b the share of the box's other workers stepping
+    decode_knee: int = 0  # decodes past this many in one step cost per_decode_past_knee more each (0: no knee)
+    per_decode_past_knee: float = 0.0
 
     def seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> float:
         return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
                 + decodes * self.per_decode + decode_context * self.per_decode_context
-                + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
+                + (decodes * self.per_mixed_decode if prefill_tokens else 0.0) + self._past_knee(decodes))  # fmt: skip
+
+    def knee_text(self, per: str = "/") -> str:
+        """' (+ 2.500 ms/decode past 8 in a step)', or '' without a knee."""
+        if not self.decode_knee:
+            return ""
+        return f" (+ {self.per_decode_past_knee * 1e3:.3f} ms{per}decode past {self.decode_knee} in a step)"
+
+    def _past_knee(self, decodes: int) -> float:
+        return max(0, decodes - self.decode_knee) * self.per_decode_past_knee if self.decode_knee else 0.0
 
     def decode_run_seconds(self, decodes: int, context: int, steps: int) -> list[float]:
         """seconds(0, 0, decodes, context + i * decodes) for i in range(steps), each the same float:
         a run of decode steps, each reply one token longer than at the step before."""
         base, per_context = self.fixed + decodes * self.per_decode, self.per_decode_context
-        return [base + (context + i * decodes) * per_context for i in range(steps)]
+        past = self._past_knee(decodes)
+        return [base + (context + i * decodes) * per_context + past for i in range(steps)]
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         return self.seconds(prompt_tokens, prompt_tokens * (prompt_tokens + 1) // 2, 0, 0)
@@ -138,7 +157,7 @@ class Profile:
                     or value < low or (strict and value <= low):  # fmt: skip
                 raise ValueError(f"{where} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
 
-        for name in (*TERMS, "gap", "co_runner"):
+        for name in (*TERMS, "gap", "co_runner", "decode_knee"):
             number(f"step.{name}", getattr(self.step, name))
         for q in self.step.noise:
             number("step.noise", q, strict=True)
@@ -169,16 +188,22 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     time, end}, and `co_busy`: the share of the box's other workers stepping meanwhile, 0 if absent).
     The linear terms come from steps that ran alone (co_busy < 0.1), the co-runner slowdown from the
     others; returns the model and its quality (relative errors on the steps it was fitted on)."""
-    xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"])
-                   for s in steps])  # fmt: skip
     ys = np.array([s["end"] - s["time"] for s in steps])
     busy = np.array([s.get("co_busy", 0.0) for s in steps])
     keep = ys > 0
-    xs, ys, busy = xs[keep], ys[keep], busy[keep]
+    steps, ys, busy = [s for s, k in zip(steps, keep) if k], ys[keep], busy[keep]
     alone = busy < 0.1
     if alone.sum() < len(TERMS):
         raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS)} terms")
-    coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
+    best = None
+    for knee in knees_to_try([s["decodes"] for s, a in zip(steps, alone) if a]):
+        xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"], knee)
+                       for s in steps])  # fmt: skip
+        coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
+        residual = float(np.sum((xs[alone] @ coef / ys[alone] - 1) ** 2))
+        if best is None or residual < best[0] * (1 - 1e-9) - 1e-15:
+            best = residual, knee, xs, coef
+    _, knee, xs, coef = best
     base = xs @ coef
     co_runner = 0.0
     shared = ~alone & (base > 0)
@@ -190,7 +215,19 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     quality = {"steps": int(len(ys)), "alone": int(alone.sum()), "median_abs_rel_error": float(np.median(rel)),
                "p90_abs_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
     noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
-    return StepCost(**dict(zip(TERMS, map(float, coef))), noise=noise, co_runner=co_runner), quality
+    cost = StepCost(**dict(zip(TERMS, map(float, coef))), noise=noise, co_runner=co_runner, decode_knee=knee)
+    if cost.per_decode_past_knee == 0.0:
+        cost.decode_knee = 0
+    return cost, quality
+
+
+def knees_to_try(decodes: list[int]) -> list[int]:
+    """0 (no knee), then the decode batch sizes measured that have larger ones beyond them: at most
+    MAX_KNEES_TRIED of them, spread over their range."""
+    sizes = sorted({d for d in decodes if d > 0})[:-1]
+    if len(sizes) > MAX_KNEES_TRIED:
+        sizes = [sizes[round(i * (len(sizes) - 1) / (MAX_KNEES_TRIED - 1))] for i in range(MAX_KNEES_TRIED)]
+    return [0, *sizes]
 
 
 def co_busy(steps: list[dict]) -> None:
@@ -245,7 +282,7 @@ def draw(qs: list[float], u: float) -> float:
 
 
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min |a x - b| with x >= 0, exactly, by trying every set of free terms (there are five)."""
+    """min |a x - b| with x >= 0, exactly, by trying every set of free terms (there are seven)."""
     best, best_res = np.zeros(a.shape[1]), float(np.sum(b * b))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
