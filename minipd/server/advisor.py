@@ -12,9 +12,10 @@ Two models predict (`model`):
 - "planner": the planner's mean-value queueing model (bench/plan.py). Cheap, but blind to tails
   (mean TPOT, no stall); kept to compare.
 
-The current mode is also judged by what it measured (finished and running requests), and a
-candidate that ran recently and measured below its prediction is discounted by that share (see
-_measured_credit and _discount).
+The current mode is also judged by what it measured (its own finished and running requests), and
+a candidate that ran recently and measured below its prediction is discounted by that share (see
+_measured_credit and _discount); a switch still needs the replay to rank the candidate ahead of the
+current mode's own prediction.
 
 Every decision is kept with its prediction; one window later the measured outcome of that window
 (TTFT, TPOT, SLO attainment, goodput) is put beside it, so the advisor can be judged by what it
@@ -100,6 +101,7 @@ class Advisor:
         self.outputs: deque[int] = deque(maxlen=KEPT_STEPS)  # reply lengths of the requests that finished
         self.entries: deque[dict] = deque(maxlen=KEPT_ENTRIES)
         self.mode_since = 0.0  # when the mode last changed, as far as the advisor saw
+        self.inherited_until = 0.0  # when the last request admitted before mode_since ended
         self.last_mode: dict | None = None
         self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
         self.measured_share: dict[str, tuple[float, float]] = {}  # mode family -> (when, measured / predicted goodput)
@@ -131,9 +133,11 @@ class Advisor:
             return
         if a is not None:
             a.output_tokens = timeline["output_tokens"]
+        end = timeline["events"].get("finish", time.time())
+        if timeline["arrival"] < self.mode_since:
+            self.inherited_until = max(self.inherited_until, end)
         self.outputs.append(timeline["output_tokens"])
-        self.finished.append(Finished(timeline["arrival"], timeline["events"].get("finish", time.time()),
-                                      timeline["prompt_tokens"], timeline["output_tokens"], timeline["ttft"],
+        self.finished.append(Finished(timeline["arrival"], end, timeline["prompt_tokens"], timeline["output_tokens"], timeline["ttft"],
                                       timeline["tpot"]))  # fmt: skip
         self._forget(self.finished[-1].end)
 
@@ -193,10 +197,11 @@ class Advisor:
         if self.last_mode is not None and current.as_dict() != self.last_mode:
             self.mode_since = max(self.mode_since, now - cfg.window_s / 2)  # switched by hand within the window
         self.last_mode = current.as_dict()
+        own = self._own_requests_since(now)
         entry = {"time": now, "window_s": cfg.window_s, "model": cfg.model, "current": current.as_dict(),
                  "measured": measured, "switch_to": None,
-                 "measured_current": self._measured([f for f in window if f.arrival >= self.mode_since],
-                                                    self._running_so_far(now))}  # fmt: skip
+                 "measured_current": self._measured([f for f in window if f.arrival >= own],
+                                                    self._running_so_far(now, own))}  # fmt: skip
         arrived = [a for a in self.arrivals if a.time >= start]
         if len(arrived) < cfg.min_requests:
             entry["decision"] = "wait: too little traffic to predict"
@@ -264,8 +269,11 @@ class Advisor:
         change = f"{here_goodput:.2f} ({said}) -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here_goodput > 0 else "")
         # measured against predicted is not like for like (the replay is optimistic): a wider margin
         margin = cfg.credited_min_gain if credited is not None else cfg.min_gain
-        # and a gain of a share of the traffic, not only a ratio (over a base near 0 any gain is large)
-        behind = leads and gain > margin and best["goodput"] - here_goodput > cfg.min_gain * rate
+        # and a gain of a share of the traffic, not only a ratio (over a base near 0 any gain is large),
+        # and the replay ranking the candidate ahead of its own prediction for the current mode: a mode
+        # that measures badly says nothing of a mode predicted alike, which faces the same traffic
+        ahead = best["goodput"] > here["goodput"] * (1 + cfg.min_gain)
+        behind = leads and ahead and gain > margin and best["goodput"] - here_goodput > cfg.min_gain * rate
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
         self.behind = self.behind + 1 if behind else 0
@@ -317,13 +325,21 @@ class Advisor:
         self.router.events.publish({"type": "advisor", **{k: v for k, v in entry.items() if k != "predictions"}})
         return entry
 
-    def _running_so_far(self, now: float) -> list[bool]:
-        """For each request still running that arrived under the current mode and can be judged
-        yet: whether it is within both SLOs so far. A long reply finishes windows after it arrived;
-        one already past an SLO tells at once what its mode does to it."""
+    def _own_requests_since(self, now: float) -> float:
+        """Requests that arrived from this time on are the current mode's own: they arrived under it
+        and after every reply admitted before it had ended (those shared the workers, with the
+        backlog of the mode before). `now` while such a reply still runs: none is its own yet."""
+        if any(state.arrival < self.mode_since for state in list(self.router.requests.values())):
+            return now
+        return max(self.mode_since, self.inherited_until)
+
+    def _running_so_far(self, now: float, since: float) -> list[bool]:
+        """For each request still running that is the current mode's own (arrived from `since`) and can
+        be judged yet: whether it is within both SLOs so far. A long reply finishes windows after it
+        arrived; one already past an SLO tells at once what its mode does to it."""
         out = []
         for state in list(self.router.requests.values()):
-            if state.arrival < self.mode_since:
+            if state.arrival < since:
                 continue
             t = state.token_times
             if not t:
