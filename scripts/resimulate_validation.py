@@ -29,6 +29,7 @@ from minipd.sim.validate import FIGURES, compare
 DURATIONS = {"chat-1": 60, "summarize-0.15": 120, "summarize-0.3": 120, "generate-1.2": 80,
              "generate-1.2-2026-12-04": 80}  # the runs' --duration
 METRICS = ("TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "ITL p50", "ITL p90", "throughput (out tok/s)")
+REFIT_NOTE = ", the step model fitted again on each profile's steps"
 GRADED = (*METRICS, "throughput (req/s)")  # the eight figures graded (the table shows out tok/s for both)
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     args = ap.parse_args()
     lines = [f"Simulated again on {platform.python_implementation()} {platform.python_version()} with noise seeds "
-             f"0-{args.seeds - 1}{', the step model fitted again on each profile' + chr(39) + 's steps' if args.refit else ''}: the median error over the seeds, [lowest, highest]; bold: the median outside "
+             f"0-{args.seeds - 1}{REFIT_NOTE if args.refit else ''}: the median error over the seeds, [lowest, highest]; bold: the median outside "
              "the target (p50 and throughput within 10%, p90 within 20%).", "",
              "| run | mode | " + " | ".join(m.replace("throughput (out tok/s)", "out tok/s") for m in METRICS)
              + " | within target (median) |", "|---|---|" + "---|" * (len(METRICS) + 1)]  # fmt: skip

@@ -137,8 +137,8 @@ class Advisor:
         if timeline["arrival"] < self.mode_since:
             self.inherited_until = max(self.inherited_until, end)
         self.outputs.append(timeline["output_tokens"])
-        self.finished.append(Finished(timeline["arrival"], end, timeline["prompt_tokens"], timeline["output_tokens"], timeline["ttft"],
-                                      timeline["tpot"]))  # fmt: skip
+        self.finished.append(Finished(timeline["arrival"], end, timeline["prompt_tokens"], timeline["output_tokens"],
+                                      timeline["ttft"], timeline["tpot"]))  # fmt: skip
         self._forget(self.finished[-1].end)
 
     def _forget(self, now: float) -> None:
