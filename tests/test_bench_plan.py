@@ -50,6 +50,21 @@ def test_decode_batch_obeys_littles_law():
     assert tpot == pytest.approx(0.02 + per_seq * batch)
 
 
+def test_decode_batch_past_the_step_models_knee_obeys_littles_law_on_the_steeper_line():
+    """A profile whose decodes cost more each past a knee (sim.profile's decode_knee): the planner read
+    only the lower line and put a batch past the knee at a TPOT the worker cannot make."""
+    p = _profile(decode_knee=8, decode_past_knee_s=0.001)
+    t = Traffic(rate=5.0, prompt_tokens=100, output_tokens=50)
+    tpot, batch = decode_tpot(p, t, 1)
+    assert batch > 8 and batch == pytest.approx(5.0 * 50 * tpot)
+    per_seq = 0.002 + 1e-6 * (100 + 25)
+    assert tpot == pytest.approx(0.02 + per_seq * batch + 0.001 * (batch - 8))
+    assert tpot > decode_tpot(_profile(), t, 1)[0]
+    light = Traffic(rate=0.5, prompt_tokens=100, output_tokens=50)  # below the knee: the lower line
+    assert decode_tpot(p, light, 1) == decode_tpot(_profile(), light, 1)
+    assert decode_tpot(p, Traffic(rate=20.0, prompt_tokens=100, output_tokens=50), 1)[0] == math.inf
+
+
 def test_recommend_gives_prompt_heavy_traffic_more_prefill_workers():
     p = _profile()
     heavy_prompts = recommend(p, Traffic(rate=3.0, prompt_tokens=300, output_tokens=8), 4, 5.0, 0.03)

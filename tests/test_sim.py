@@ -4,6 +4,7 @@ checked against arithmetic that can be done by hand."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -209,6 +210,8 @@ def test_planner_reads_a_simulator_profile():
 
     p = plan.from_step_model(profile(), prompt_tokens=512)
     assert p.prefill_fixed_s == STEP.fixed and p.decode_per_seq_s == STEP.per_decode
+    bent = plan.from_step_model(profile(step=StepCost(**{**asdict(STEP), "decode_knee": 8, "per_decode_past_knee": 3e-3})))
+    assert bent.decode_knee == 8 and bent.decode_past_knee_s == 3e-3
     assert p.kv_bytes_per_token == KV_PER_TOKEN and p.kv_bandwidth_bytes_s == 1e6
     plan_ = plan.recommend(p, plan.Traffic(1.0, 200, 50), 4, 1.0, 0.1)
     assert plan_["best"]["split"] in {r["split"] for r in plan_["options"]}

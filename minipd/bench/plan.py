@@ -36,6 +36,8 @@ class Profile:
     kv_bytes_per_token: int
     kv_bandwidth_bytes_s: float  # measured on the server's transport
     points: dict  # the measurements the fits came from
+    decode_knee: float = 0.0  # sequences past this many in a step cost decode_past_knee_s more each (0: none)
+    decode_past_knee_s: float = 0.0
 
     @property
     def compute_bound_batch(self) -> float:
@@ -62,7 +64,8 @@ def from_step_model(p, prompt_tokens: float = 512.0) -> Profile:
                    decode_fixed_s=s.fixed + s.gap, decode_per_seq_s=s.per_decode, decode_per_context_token_s=s.per_decode_context,
                    interference_per_token_s=s.per_prefill_token, kv_bytes_per_token=p.worker.kv_bytes_per_token,
                    kv_bandwidth_bytes_s=link.bytes_per_s if link else float("nan"),
-                   points={"from": "a simulator profile", "source": p.source})  # fmt: skip
+                   points={"from": "a simulator profile", "source": p.source},
+                   decode_knee=s.decode_knee, decode_past_knee_s=s.per_decode_past_knee)  # fmt: skip
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -177,6 +180,12 @@ def decode_tpot(p: Profile, t: Traffic, workers: int) -> tuple[float, float]:
     if load * per_seq >= 1:
         return float("inf"), float("inf")
     batch = load * p.decode_fixed_s / (1 - load * per_seq)
+    if p.decode_knee and p.decode_past_knee_s and batch > p.decode_knee:  # on the steeper line past the knee
+        fixed, per_seq = p.decode_fixed_s - p.decode_past_knee_s * p.decode_knee, per_seq + p.decode_past_knee_s
+        if load * per_seq >= 1:
+            return float("inf"), float("inf")
+        batch = load * fixed / (1 - load * per_seq)
+        return fixed + per_seq * batch, batch
     return p.decode_fixed_s + per_seq * batch, batch
 
 
@@ -233,7 +242,9 @@ def explain(plan: dict, p: Profile) -> str:
         f"Prefill of one prompt: {p.prefill_fixed_s * 1e3:.1f} ms + {p.prefill_per_token_s * 1e3:.3f} ms/token x "
         f"{t['prompt_tokens']:.0f} = {service * 1e3:.0f} ms; a prefill worker is busy rate/P x that of the time.",
         f"Decode step: {p.decode_fixed_s * 1e3:.1f} ms + {p.decode_per_seq_s * 1e3:.2f} ms per sequence "
-        f"+ {p.decode_per_context_token_s * 1e6:.2f} us per context token per sequence; it turns compute-bound "
+        f"+ {p.decode_per_context_token_s * 1e6:.2f} us per context token per sequence"
+        + (f" + {p.decode_past_knee_s * 1e3:.2f} ms per sequence past {p.decode_knee:.0f}" if p.decode_knee else "")
+        + "; it turns compute-bound "
         f"(twice the batch-1 step) at B* = {p.compute_bound_batch:.0f}.",
         "",
         "| split | TTFT (ms) | TPOT (ms) | decode batch | SLO margin |",
