@@ -291,3 +291,41 @@ async def test_every_worker_named_is_the_same_mode_as_all_workers_and_shown_one_
     api = Api(router, "m", 128)
     same = await asyncio.wait_for(router.set_mode(Mode("colocated", workers=2)), 1)  # no worker is asked
     assert same["changed"] is False and await reported(api) == {"mode": "colocated", "last_switch": same}
+
+
+@pytest.mark.asyncio
+async def test_auto_asked_for_after_a_switch_by_hand_still_waiting_stays_on_when_that_switch_lands():
+    """Defect (a hostile-client pass): during a drain to disagg, {"mode": "chunked"} waited its turn
+    and {"mode": "auto"} answered 200 with the advisor on; when the chunked switch landed it turned
+    auto off, so the last request the server had acknowledged was silently undone."""
+    router = serving_router()
+    pool = router.pool
+    api = Api(router, "m", 128)
+    one = asyncio.ensure_future(api.post_mode(JsonRequest(DISAGG)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    two = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "chunked", "chunk_tokens": 64})))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not two.done()
+    await api.post_mode(JsonRequest({"mode": "auto"}))
+    assert router.advisor.enabled
+    try:
+        for _ in range(2):  # the first switch's acks, then the second's
+            sent, pool.sent = pool.sent, []
+            for worker_id, msg in sent:
+                router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+            while not pool.sent and not two.done():
+                await asyncio.sleep(0)
+        await one, await two
+        assert router.mode == Mode("chunked", chunk_tokens=64) and router.advisor.enabled
+        three = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "colocated"})))  # by hand after it
+        while len(pool.sent) < len(pool.workers):
+            await asyncio.sleep(0)
+        assert not router.advisor.enabled  # auto ends when a mode is asked for by hand
+        for worker_id, msg in pool.sent:
+            router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+        await three
+        assert router.mode == Mode() and not router.advisor.enabled
+    finally:
+        router.advisor.task.cancel()

@@ -517,9 +517,9 @@ class Api:
         def resolve(served):
             mode = requested_mode(body, served)
             mode.check(num_workers)
-            self.router.advisor.enable(False)  # a mode chosen by hand ends `auto`
             return mode
 
+        self.router.advisor.enable(False)  # a mode chosen by hand ends `auto` when asked for (not when it lands)
         outcome = await self.router.set_mode(resolve, drain=drain)
         return web.json_response({**self.router.mode.as_dict(), "switch": outcome})
 
