@@ -52,7 +52,7 @@ def test_bad_numbers_and_names_are_refused_with_a_message(argv, says, capsys):
 
 
 def test_a_profile_no_measurement_could_give_is_refused(tmp_path, capsys):
-    for bad in ({"fixed": float("nan")}, {"per_decode": -0.5}, {"fixed": "fast"}):
+    for bad in ({"fixed": float("nan")}, {"per_decode": -0.5}, {"fixed": "fast"}, {"decode_knee": 7.5}):
         path = write_profile(tmp_path, **bad)
         with pytest.raises(SystemExit) as e:
             main(["sim", "--profile", path, "--quick", "--out", str(tmp_path / "out")])
@@ -61,6 +61,26 @@ def test_a_profile_no_measurement_could_give_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["sim", "--profile", str(tmp_path / "list.json"), "--quick"])
     assert e.value.code == 2 and "not a minipd profile" in capsys.readouterr().err
+
+
+def test_a_profile_of_the_wrong_shape_is_refused_in_words_not_in_python(tmp_path):
+    """Defect (a hostile-client pass): a profile without its 'worker' section was refused with
+    "'worker'", one with a field this version does not know with "StepCost.__init__() got an
+    unexpected keyword argument", one whose links were a list with "'int' object is not iterable"."""
+    from minipd.sim.profile import Profile
+
+    base = json.loads(open(write_profile(tmp_path)).read())
+    for change, says in [(lambda d: d.pop("worker"), "needs a 'worker' object"),
+                         (lambda d: d["step"].update(newfield=1), "step has field(s) this version does not know: newfield"),
+                         (lambda d: d.update(links=[1]), "needs a 'links' object"),
+                         (lambda d: d["links"]["shm"].pop("latency_s"), "links.shm lacks latency_s")]:  # fmt: skip
+        d = json.loads(json.dumps(base))
+        change(d)
+        with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+            Profile.from_dict(d)
+    d = json.loads(json.dumps(base))
+    del d["step"]["decode_knee"], d["step"]["per_decode_past_knee"]  # a profile from before the knee
+    assert Profile.from_dict(d).step.decode_knee == 0
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
@@ -98,3 +118,22 @@ def test_the_cli_runs_from_a_source_tree_that_was_never_installed(monkeypatch, c
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--version"])
     assert "minipd" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--advisor-window", "0"), ("--advisor-window", "-5"), ("--advisor-window", "nan"), ("--advisor-window", "inf"),
+    ("--advisor-min-gain", "nan"), ("--advisor-min-gain", "-1"), ("--slo-ttft-ms", "-1"), ("--slo-tpot-ms", "0"),
+    ("--request-timeout", "nan"), ("--drain-timeout", "-1"), ("--switch-drain-timeout", "0"),
+    ("--rebalance-ratio", "nan"), ("--rebalance-interval", "0"), ("--kv-link-gbps", "0"),
+    ("--kv-link-latency-ms", "nan"), ("--kv-transfer-timeout", "inf"), ("--seat-timeout", "-1"),
+    ("--worker-timeout", "nan"), ("--step-timeout", "0"),
+])  # fmt: skip
+def test_serve_refuses_a_duration_rate_or_share_no_server_could_run_on(flag, value, capsys):
+    """Defect (a hostile-client pass): serve took --advisor-window 0 (a busy loop and 44,000
+    tracebacks in 14 s), -5, nan and inf (GET /admin/advisor then answered NaN and Infinity, not
+    JSON), --advisor-min-gain nan and --slo-ttft-ms -1. Parsed only: a server never starts here."""
+    from minipd.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err

@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float
 
 log = logging.getLogger("minipd")
 
@@ -42,17 +42,17 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="chat requests without max_tokens get this many at most (completions: 16, as OpenAI)")
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests queued beyond what the workers run; past it new requests get 429")
-    g.add_argument("--request-timeout", type=float, default=600.0,
+    g.add_argument("--request-timeout", type=positive_float, default=600.0,
                    help="seconds a request may take in all; past it, it ends with an error and frees its KV")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=nonnegative_float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds to let running requests finish before exiting")
     g = s.add_argument_group("modes")
     g.add_argument("--mode", default="colocated", choices=["colocated", "chunked", "disagg", "auto"],
                    help="how prefill and decode share the workers (switch at run time: POST /admin/mode); auto: "
                         "start colocated and let the advisor switch live from measured traffic (GET /admin/advisor)")
-    g.add_argument("--advisor-window", type=float, default=30.0,
+    g.add_argument("--advisor-window", type=positive_float, default=30.0,
                    help="auto: seconds of traffic behind each decision")
-    g.add_argument("--advisor-min-gain", type=float, default=0.1,
+    g.add_argument("--advisor-min-gain", type=nonnegative_float, default=0.1,
                    help="auto: the predicted goodput gain (0.1 = 10%%) a switch must promise, twice in a row")
     g.add_argument("--advisor-model", default="sim", choices=["sim", "planner"],
                    help="auto: how the advisor predicts each mode: sim replays the window's requests through the "
@@ -61,16 +61,16 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--advisor-profile", metavar="FILE",
                    help="auto with --advisor-model sim: step times from a profile measured by `python -m minipd "
                         "profile` instead of fitted live")
-    g.add_argument("--rebalance-ratio", type=float, default=None,
+    g.add_argument("--rebalance-ratio", type=nonnegative_float, default=None,
                    help="move running replies from a worker that decodes more than this many times the replies of "
                         "the emptiest one (and at least 4 more) to it, at a token boundary; 0: off (none: off, "
                         "but 2 while auto is on)")
-    g.add_argument("--rebalance-interval", type=float, default=1.0, help="seconds between two rebalancing checks")
-    g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="auto: the TTFT SLO the advisor plans for")
-    g.add_argument("--slo-tpot-ms", type=float, default=100.0, help="auto: the TPOT SLO the advisor plans for")
+    g.add_argument("--rebalance-interval", type=positive_float, default=1.0, help="seconds between two rebalancing checks")
+    g.add_argument("--slo-ttft-ms", type=positive_float, default=1000.0, help="auto: the TTFT SLO the advisor plans for")
+    g.add_argument("--slo-tpot-ms", type=positive_float, default=100.0, help="auto: the TPOT SLO the advisor plans for")
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked: token budget per step: every running decode, then prompt chunks with the rest (at least a quarter)")
-    g.add_argument("--switch-drain-timeout", type=float, default=600.0,
+    g.add_argument("--switch-drain-timeout", type=positive_float, default=600.0,
                    help="a switch with {\"drain\": true}: seconds it waits for the running requests to finish (new "
                         "ones wait meanwhile); past it the switch is given up with a 503 and they go on in the old "
                         "mode. Other switches move running replies instead of waiting for them")
@@ -83,13 +83,13 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--kv-transport", default=None, choices=["shm", "cuda-ipc", "tcp"],
                    help="how KV moves between workers (default: shm on cpu, cuda-ipc on cuda)")
     g.add_argument(
-        "--kv-link-gbps", type=float, default=None, help="tcp: emulate a link of this many Gbit/s (default: unpaced)"
+        "--kv-link-gbps", type=positive_float, default=None, help="tcp: emulate a link of this many Gbit/s (default: unpaced)"
     )
-    g.add_argument("--kv-link-latency-ms", type=float, default=0.0, help="tcp: emulate this one-way latency")
-    g.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+    g.add_argument("--kv-link-latency-ms", type=nonnegative_float, default=0.0, help="tcp: emulate this one-way latency")
+    g.add_argument("--kv-transfer-timeout", type=positive_float, default=60.0,
                    help="disagg: seconds from a prompt's first token until its KV is in the decode worker; "
                         "past it the request fails and both sides free its blocks")  # fmt: skip
-    g.add_argument("--seat-timeout", type=float, default=300.0,
+    g.add_argument("--seat-timeout", type=positive_float, default=300.0,
                    help="disagg: seconds a decode seat waits for its KV before it is given back")
     g.add_argument("--decode-headroom-tokens", type=int, default=512,
                    help="disagg: tokens of a reply's growth booked with its seat, so decoding need not preempt")
@@ -101,11 +101,11 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--threads-per-worker", type=int, default=None,
                    help="cpu: torch threads in each worker (default: cores / workers)")
     g.add_argument("--gpus", default=None, help="cuda: comma-separated GPU indices, one worker each (default: all)")
-    g.add_argument("--worker-timeout", type=float, default=60.0,
+    g.add_argument("--worker-timeout", type=positive_float, default=60.0,
                    help="a worker silent this long (no heartbeat: stopped, frozen) or stuck this long outside a "
                         "step is killed and replaced; a long step is not silence (see --step-timeout). A worker "
                         "not ready this long after start writes its threads' stacks to the log")
-    g.add_argument("--step-timeout", type=float, default=600.0,
+    g.add_argument("--step-timeout", type=positive_float, default=600.0,
                    help="a single engine step running longer than this is taken for a hang (inside the model) "
                         "and its worker is replaced; a step merely slower than --worker-timeout is fine")
     g.add_argument("--max-worker-restarts", type=int, default=5,

@@ -20,7 +20,7 @@ import bisect
 import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -144,6 +144,12 @@ class Profile:
     def from_dict(cls, d: dict) -> Profile:
         if not isinstance(d, dict) or d.get("minipd_profile") != FORMAT:
             raise ValueError(f"not a minipd profile (format {FORMAT})")
+        if not isinstance(d.get("links"), dict):
+            raise ValueError("a profile needs a 'links' object")
+        for where, part in (("step", StepCost), ("worker", WorkerShape), ("host", Host)):
+            _check_fields(where, d.get(where), part)
+        for name, link in d["links"].items():
+            _check_fields(f"links.{name}", link, Link)
         profile = cls(StepCost(**d["step"]), WorkerShape(**d["worker"]),
                       {k: Link(**v) for k, v in d["links"].items()}, Host(**d["host"]), d.get("source", "measured"),
                       d.get("about", {}), d.get("points", {}))  # fmt: skip
@@ -159,6 +165,8 @@ class Profile:
 
         for name in (*TERMS, "gap", "co_runner", "decode_knee"):
             number(f"step.{name}", getattr(self.step, name))
+        if self.step.decode_knee != int(self.step.decode_knee):
+            raise ValueError(f"step.decode_knee must be a whole number of decodes, got {self.step.decode_knee!r}")
         for q in self.step.noise:
             number("step.noise", q, strict=True)
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -181,6 +189,18 @@ class Profile:
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _check_fields(where: str, section, part) -> None:
+    """ValueError unless `section` is an object with only `part`'s fields and every one it needs."""
+    if not isinstance(section, dict):
+        raise ValueError(f"a profile needs a '{where}' object")
+    known = {f.name: f for f in fields(part)}
+    if unknown := sorted(set(section) - set(known)):
+        raise ValueError(f"{where} has field(s) this version does not know: {', '.join(map(str, unknown))}")
+    needed = [n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING]
+    if missing := [n for n in needed if n not in section]:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
 
 
 def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
