@@ -220,8 +220,9 @@ class JsonRequest:
         return self.raw
 
 
-async def switch_during_a_switch(first: dict, second: dict) -> Mode:
-    """POST `second` while the switch `first` asked for waits for the workers; both answer; the mode then."""
+async def switch_during_a_switch(first: dict, second: dict, meanwhile=None) -> Router:
+    """POST `second` while the switch `first` asked for waits for the workers (then `meanwhile(api)`,
+    while `second` waits its turn); both answer; the router then."""
     router = serving_router()
     pool = router.pool
     api = Api(router, "m", 128)
@@ -232,6 +233,8 @@ async def switch_during_a_switch(first: dict, second: dict) -> Mode:
     for _ in range(20):
         await asyncio.sleep(0)
     assert not two.done()  # it waits for the switch under way
+    if meanwhile is not None:
+        await meanwhile(api)
     for _ in range(2):  # the first switch's acks, then the second's
         sent, pool.sent = pool.sent, []
         for worker_id, msg in sent:
@@ -239,7 +242,7 @@ async def switch_during_a_switch(first: dict, second: dict) -> Mode:
         while not pool.sent and not two.done():
             await asyncio.sleep(0)
     await one, await two
-    return router.mode
+    return router
 
 
 @pytest.mark.asyncio
@@ -247,7 +250,7 @@ async def test_a_switch_asked_for_during_another_is_read_against_the_mode_that_o
     """Defect: a body was resolved against the mode when it arrived, not when it was applied: during
     a switch to chunked:64, {"mode": "disagg"} (chunk_tokens omitted: kept) was read against
     colocated, and disagg came with chunk_tokens 512, not the 64 the server then had."""
-    mode = await switch_during_a_switch({"mode": "chunked", "chunk_tokens": 64}, {"mode": "disagg"})
+    mode = (await switch_during_a_switch({"mode": "chunked", "chunk_tokens": 64}, {"mode": "disagg"})).mode
     assert mode == Mode("disagg", 1, 1, chunk_tokens=64)
 
 
@@ -279,7 +282,7 @@ async def test_a_switch_that_fails_says_so_in_the_event_feed():
 async def test_a_body_without_a_mode_sent_during_a_switch_is_judged_by_the_mode_that_switch_leaves():
     """Defect: during a switch to disagg, {"prefill_workers": 1, "decode_workers": 1} was refused at
     once, judged against colocated (the mode served when it arrived)."""
-    mode = await switch_during_a_switch(DISAGG, {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 64})
+    mode = (await switch_during_a_switch(DISAGG, {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 64})).mode
     assert mode == Mode("disagg", 1, 1, chunk_tokens=64)
 
 
@@ -298,26 +301,13 @@ async def test_auto_asked_for_after_a_switch_by_hand_still_waiting_stays_on_when
     """Defect (a hostile-client pass): during a drain to disagg, {"mode": "chunked"} waited its turn
     and {"mode": "auto"} answered 200 with the advisor on; when the chunked switch landed it turned
     auto off, so the last request the server had acknowledged was silently undone."""
-    router = serving_router()
-    pool = router.pool
-    api = Api(router, "m", 128)
-    one = asyncio.ensure_future(api.post_mode(JsonRequest(DISAGG)))
-    while len(pool.sent) < len(pool.workers):
-        await asyncio.sleep(0)
-    two = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "chunked", "chunk_tokens": 64})))
-    for _ in range(20):
-        await asyncio.sleep(0)
-    assert not two.done()
-    await api.post_mode(JsonRequest({"mode": "auto"}))
-    assert router.advisor.enabled
+    async def auto(api):
+        await api.post_mode(JsonRequest({"mode": "auto"}))
+        assert api.router.advisor.enabled
+
+    router = await switch_during_a_switch(DISAGG, {"mode": "chunked", "chunk_tokens": 64}, meanwhile=auto)
+    pool, api = router.pool, Api(router, "m", 128)
     try:
-        for _ in range(2):  # the first switch's acks, then the second's
-            sent, pool.sent = pool.sent, []
-            for worker_id, msg in sent:
-                router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
-            while not pool.sent and not two.done():
-                await asyncio.sleep(0)
-        await one, await two
         assert router.mode == Mode("chunked", chunk_tokens=64) and router.advisor.enabled
         three = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "colocated"})))  # by hand after it
         while len(pool.sent) < len(pool.workers):
