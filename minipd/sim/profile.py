@@ -32,11 +32,10 @@ TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_
 MAX_KNEES_TRIED = 8
 
 
-def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int, knee: int) -> tuple:
+def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> tuple:
+    """The step's terms but the last (decodes past the knee, which depends on the knee tried)."""
     mixed = decodes if prefill_tokens else 0
-    past = max(0, decodes - knee) if knee else 0
-    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context), float(mixed),
-            float(past))  # fmt: skip
+    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context), float(mixed))
 
 
 @dataclass(slots=True)
@@ -215,10 +214,12 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     alone = busy < 0.1
     if alone.sum() < len(TERMS):
         raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS)} terms")
+    shared_terms = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"])
+                             for s in steps])  # fmt: skip
+    decodes = shared_terms[:, TERMS.index("per_decode")]
     best = None
     for knee in knees_to_try([s["decodes"] for s, a in zip(steps, alone) if a]):
-        xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"], knee)
-                       for s in steps])  # fmt: skip
+        xs = np.column_stack([shared_terms, np.maximum(0.0, decodes - knee) if knee else np.zeros(len(steps))])
         coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
         residual = float(np.sum((xs[alone] @ coef / ys[alone] - 1) ** 2))
         if best is None or residual < best[0] * (1 - 1e-9) - 1e-15:
