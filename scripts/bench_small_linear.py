@@ -77,35 +77,11 @@ def main() -> None:
 
 
 def kernel_of_revision(rev: str):
-    """small_linear as built from the kernel sources of git revision `rev`, renamed so that it loads
-    beside the working tree's (same flags)."""
-    import re
-    import shutil
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    """small_linear of git revision `rev` (revision_kernels.py)."""
+    from revision_kernels import kernels_of_revision
 
-    import torch
-    from torch.utils.cpp_extension import load
-
-    from minipd.models import kernel_build
-
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
-    csrc = kernel_build.CSRC.relative_to(root).as_posix()
-    names = subprocess.run(["git", "ls-tree", "--name-only", rev, csrc + "/"], capture_output=True, text=True,
-                           check=True, cwd=root).stdout.split()  # fmt: skip
-    folder = Path(tempfile.mkdtemp(prefix="minipd-kernels-"))
-    for name in names:
-        text = subprocess.run(["git", "show", f"{rev}:{name}"], capture_output=True, text=True, check=True, cwd=root).stdout
-        text = re.sub(r"\b(minipd_ops|minipd_vec|minipd_elements)\b", r"\1_then", text)
-        text = re.sub(r"TORCH_LIBRARY(_FRAGMENT|_IMPL)?\(minipd,", r"TORCH_LIBRARY\1(minipd_then,", text)
-        (folder / Path(name).name).write_text(text)
-    try:
-        load(name="minipd_kernels_then", sources=[str(p) for p in sorted(folder.glob("*.cpp"))],
-             extra_cflags=kernel_build.cflags(), build_directory=str(folder), is_python_module=False)  # fmt: skip
-    finally:
-        shutil.rmtree(folder)  # once loaded, the library needs no file
-    return lambda x, w: torch.ops.minipd_then.small_linear(x, w, None)
+    then = kernels_of_revision(rev)
+    return lambda x, w: then.small_linear(x, w, None)
 
 
 if __name__ == "__main__":
