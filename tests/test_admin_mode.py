@@ -319,3 +319,32 @@ async def test_auto_asked_for_after_a_switch_by_hand_still_waiting_stays_on_when
         assert router.mode == Mode() and not router.advisor.enabled
     finally:
         router.advisor.task.cancel()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("body", [{"mode": "bogus"}, {"mode": "chunked", "chunk_tokens": 0}, {"chunk_tokens": "64"},
+                                  {"mode": "colocated", "prefill_workers": 2}, {"workers": 9},
+                                  {"prefill_workers": 5}, {"local_prefill_tokens": -1}])  # fmt: skip
+async def test_a_body_wrong_whatever_mode_it_meets_is_refused_at_once_during_a_switch(body):
+    """Defect: during a switch (one that drains can take minutes) every body waited for its turn,
+    to be read against the mode that switch leaves, even one that no mode could take: a mode that
+    does not exist, a chunk of 0 tokens, a setting of another mode, more workers than the server
+    has. Those are refused at once; one that depends on the mode it meets still waits."""
+    router = serving_router()
+    pool = router.pool
+    api = Api(router, "m", 128)
+    one = asyncio.ensure_future(api.post_mode(JsonRequest({"mode": "chunked", "chunk_tokens": 64})))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    with pytest.raises(InvalidRequest):
+        await asyncio.wait_for(api.post_mode(JsonRequest(body)), 1.0)  # not after the switch: at once
+    depends = asyncio.ensure_future(api.post_mode(JsonRequest({"local_prefill_tokens": 100})))  # fine if it meets disagg
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not depends.done()  # it waits for the switch under way, to be read against chunked:64
+    for worker_id, msg in pool.sent:
+        router.switcher.on_ack(m.ModeSet(worker_id, msg.role, msg.policy))
+    await one
+    with pytest.raises(InvalidRequest, match="does not apply"):
+        await depends
+    assert router.mode == Mode("chunked", chunk_tokens=64)

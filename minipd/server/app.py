@@ -27,7 +27,7 @@ from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded,
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
-from minipd.server.modes import INTEGER_SETTINGS, LINK_SETTINGS, requested_mode
+from minipd.server.modes import INTEGER_SETTINGS, LINK_SETTINGS, check_whatever_it_meets, requested_mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
 
@@ -510,6 +510,8 @@ class Api:
         num_workers = len(self.router.pool.workers)
         if not self.router.switcher.lock.locked():  # refused at once; during a switch, against the mode it leaves
             requested_mode(body, cur).check(num_workers)
+        else:  # ... and at once if no mode could take it
+            check_whatever_it_meets(body, num_workers)
         for field in LINK_SETTINGS:
             if body.get(field) and self.kv_transport != "tcp":
                 raise InvalidRequest(f"'{field}' needs the server started with --kv-transport tcp", param=field)

@@ -130,6 +130,20 @@ def requested_mode(body: dict, cur: Mode) -> Mode:
 DEFAULT_MODE = Mode()
 
 
+def check_whatever_it_meets(body: dict, num_workers: int) -> None:
+    """Refuse a POST /admin/mode body that no mode it could be read against would take (during a
+    switch it is read against the mode that switch leaves, once it ends). Each mode is tried with its
+    default settings, the most lenient (a disagg split of 1P1D, every worker serving)."""
+    errors = []
+    for name in [body["mode"]] if "mode" in body else MODES:
+        try:
+            requested_mode(body, Mode(name) if name in MODES else DEFAULT_MODE).check(num_workers)
+            return
+        except InvalidRequest as err:
+            errors.append(err)
+    raise errors[0]
+
+
 class ModeSwitcher:
     """A switch is one transaction, owned by the server (a client that gives up does not stop it):
     the door closes for new requests, every worker gets its role and acknowledges it, the router
