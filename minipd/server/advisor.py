@@ -7,9 +7,8 @@ the gain passes `decisive_gain` (the current mode predicted to do less than half
 
 Two models predict (`model`):
 - "sim" (the default): the workers' own steps fitted into a step profile, and the window's requests
-  replayed through the simulator under each candidate (server/advisor_sim.py), the window's traffic
-  going on after it. It sees tails: a reply stalled behind a long prompt read on its worker, a
-  queue that builds.
+  replayed through the simulator under each candidate (server/advisor_sim.py). It sees tails: a
+  reply stalled behind a long prompt read on its worker, a queue that builds.
 - "planner": the planner's mean-value queueing model (bench/plan.py). Cheap, but blind to tails
   (mean TPOT, no stall); kept to compare.
 
@@ -60,7 +59,6 @@ class AdvisorConfig:
     model: str = "sim"  # or "planner" (see the module's docstring)
     profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
     history_s: float = 60.0  # "sim": arrivals before the window replayed too, for the load they left (a backlog)
-    ahead_s: float = advisor_sim.AHEAD_S  # "sim": the window's traffic replayed as going on this long after it
     credit_measured: bool = True  # judge the current mode by its measured SLO attainment where it is worse
     credited_min_gain: float = 0.3  # the gain a switch must promise over a current mode judged so
 
@@ -381,7 +379,7 @@ class Advisor:
     def _sim_row(self, mode: Mode, profile: StepProfile, snap: Snapshot) -> dict:
         cfg = self.config
         got = advisor_sim.replay(profile, snap.arrivals, mode, snap.num_workers, snap.now - cfg.window_s,
-                                 cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.window_s, snap.transport, cfg.ahead_s)  # fmt: skip
+                                 cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.window_s, snap.transport)  # fmt: skip
         margin = self._margin(got["ttft_p90_s"] or 0.0, got["tpot_p90_s"] or 0.0)
         return {"label": _label(mode), "mode": _mode_fields(mode), **got, "slo_margin": _finite(margin)}
 

@@ -22,7 +22,6 @@ from minipd.sim.profile import Host, Link, Profile, WorkerShape, fit_link, fit_s
 
 MIN_STEPS = 3  # of each kind (steps that read prompt tokens; steps that only decode) before a fit
 MAX_REPLAYED = 400  # requests replayed per candidate (the latest ones): bounds a decision's cost
-AHEAD_S = 60.0  # the window's traffic replayed as going on this long after it (see `replay`)
 
 
 @dataclass(slots=True)
@@ -55,13 +54,10 @@ def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: W
 
 
 def replay(profile: Profile, arrivals: list[Arrival], mode: Mode, num_workers: int, since: float,
-           slo_ttft_s: float, slo_tpot_s: float, window_s: float, transport: str, ahead_s: float = AHEAD_S) -> dict:  # fmt: skip
+           slo_ttft_s: float, slo_tpot_s: float, window_s: float, transport: str) -> dict:  # fmt: skip
     """Replay `arrivals` under `mode`; score those that arrived after `since` (the ones before it
-    are there for the load they left). The window's traffic goes on for `ahead_s` after it (its
-    requests again, a window later, and again): a reply longer than the window shares its worker
-    with what arrives while it runs, not with a batch that empties as the window's replies end.
-    Returns mean TTFT and TPOT, their p90, SLO attainment and goodput (requests within both SLOs
-    per second of the window)."""
+    are there for the load they left). Returns mean TTFT and TPOT, their p90, SLO attainment and
+    goodput (requests within both SLOs per second of the window)."""
     room = min(profile.worker.num_blocks * profile.worker.block_size, profile.worker.max_model_len)
     arrivals = [a for a in arrivals if a.prompt_tokens < room][-MAX_REPLAYED:]  # the others were refused at the door
     if not arrivals:
@@ -71,19 +67,9 @@ def replay(profile: Profile, arrivals: list[Arrival], mode: Mode, num_workers: i
     fill = reply_fill(arrivals)
     requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, done, fill), a.time - t0)
                 for i, a in enumerate(arrivals)]  # fmt: skip
-    requests += traffic_going_on([r for r, a in zip(requests, arrivals) if a.time >= since], window_s, ahead_s)
     records, _ = simulate(profile, requests, mode, num_workers, Options(transport=transport, seed=0))
     scored = [r for r, a in zip(records, arrivals) if a.time >= since]
     return score(scored, slo_ttft_s, slo_tpot_s, window_s)
-
-
-def traffic_going_on(window: list[BenchRequest], window_s: float, ahead_s: float) -> list[BenchRequest]:
-    """The window's requests again, a window later each time, for `ahead_s` (at most MAX_REPLAYED)."""
-    if not window or window_s <= 0:
-        return []
-    first = max(r.index for r in window) + 1
-    again = [(k, r) for k in range(1, int(ahead_s // window_s) + 1) for r in window][:MAX_REPLAYED]
-    return [BenchRequest(first + i, r.prompt_len, r.output_len, r.arrival + k * window_s) for i, (k, r) in enumerate(again)]
 
 
 def score(records: list[RequestRecord], slo_ttft_s: float, slo_tpot_s: float, window_s: float) -> dict:
