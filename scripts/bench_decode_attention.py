@@ -52,7 +52,7 @@ def main() -> None:
 
         answers = [call(ops, *caches[0]) for ops in kernels.values()]  # same answers, or the timing means nothing
         for a in answers[1:]:
-            torch.testing.assert_close(a.float(), answers[0].float(), rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(a, answers[0])  # the dtype's own tolerance: sums in another order may round apart
         cold = {name: [] for name in kernels}
         hot = {name: [] for name in kernels}
         for _ in range(5):  # passes in turn: a slow moment of the machine falls on both

@@ -348,3 +348,13 @@ async def test_a_body_wrong_whatever_mode_it_meets_is_refused_at_once_during_a_s
     with pytest.raises(InvalidRequest, match="does not apply"):
         await depends
     assert router.mode == Mode("chunked", chunk_tokens=64)
+
+
+def test_a_body_no_mode_could_take_is_refused_with_the_words_of_a_mode_its_settings_belong_to():
+    from minipd.server.modes import check_whatever_it_meets
+
+    with pytest.raises(InvalidRequest, match="5P1D"):  # not "does not apply to colocated"
+        check_whatever_it_meets({"prefill_workers": 5}, 2)
+    with pytest.raises(InvalidRequest, match="chunk_tokens must be between"):
+        check_whatever_it_meets({"chunk_tokens": 0}, 2)
+    check_whatever_it_meets({"local_prefill_tokens": 100}, 2)  # disagg takes it

@@ -135,7 +135,9 @@ def check_whatever_it_meets(body: dict, num_workers: int) -> None:
     switch it is read against the mode that switch leaves, once it ends). Each mode is tried with its
     default settings, the most lenient (a disagg split of 1P1D, every worker serving)."""
     errors = []
-    for name in [body["mode"]] if "mode" in body else MODES:
+    sent = [f for f in body if f in APPLIES_TO]
+    fitting_first = sorted(MODES, key=lambda name: not all(name in APPLIES_TO[f] for f in sent))  # whose error says most
+    for name in [body["mode"]] if "mode" in body else fitting_first:
         try:
             requested_mode(body, Mode(name) if name in MODES else DEFAULT_MODE).check(num_workers)
             return
