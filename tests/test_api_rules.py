@@ -927,3 +927,32 @@ async def test_tokenize_from_a_foreign_page_is_ruled_as_the_api_is(tokenizer):
         for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5, 6]})):
             resp = await client.post(path, json=body, headers={"Origin": EVIL})
             assert resp.status == 200 and resp.headers["Access-Control-Allow-Origin"] == EVIL, path
+
+
+async def test_a_streamed_chat_chunk_without_text_still_has_content_as_openais_do(tokenizer):
+    """Defect: a step whose token's text was held back (half a character, a stop string's start) went
+    out as delta {}: a client that adds up delta.content (`text += delta.content` in JavaScript)
+    wrote "undefined" into the reply. OpenAI's and vLLM's chunks carry content, "" where there is
+    no text; only the last chunk, with finish_reason and nothing to add, has delta {}."""
+    from minipd.server.protocol import StreamOptions, chat_chunk
+    from minipd.server.request_state import Delta
+
+    async with api_client(tokenizer) as client:
+        api = client.api
+        s = SimpleNamespace(request_id="r", prompt_token_ids=[1], deltas=asyncio.Queue(), stop_reason=None,
+                            params=SamplingParams())  # fmt: skip
+        for d in (Delta("Hello", 1, token_ids=[5]), Delta("", 1, token_ids=[6]), Delta(" world", 1, token_ids=[7]),
+                  Delta("", 0, "stop", token_ids=[])):  # fmt: skip
+            s.deltas.put_nowait(d)
+        sent = []
+
+        async def send(obj):
+            sent.append(obj)
+
+        await api._stream_deltas(reply_of(api, [s], True), send,
+                                 lambda delta, finish, index=0: chat_chunk("r", "m", 0, delta, finish),
+                                 StreamOptions(stream=True))  # fmt: skip
+    deltas = [c["choices"][0]["delta"] for c in sent[:-1]]  # the last is [DONE]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hello"}, {"content": ""},
+                      {"content": " world"}, {}]  # fmt: skip
+    assert sent[-2]["choices"][0]["finish_reason"] == "stop"

@@ -409,8 +409,9 @@ class Api:
                     await send(ApiError(d.error, d.error_status, type_="server_error", code=d.error_code).body())
                     break
                 if d.text or d.finish_reason or d.token_ids:  # as vLLM: a chunk per step that made tokens, its text may be empty
-                    text = {"content": d.text} if chat else d.text
-                    obj = chunk(text if d.text or not chat else {}, d.finish_reason, i)
+                    # chat: content "" where there is no text, as OpenAI's and vLLM's; {} only on the last, with nothing to add
+                    text = {"content": d.text} if chat and (d.text or not d.finish_reason) else {} if chat else d.text
+                    obj = chunk(text, d.finish_reason, i)
                     if d.finish_reason:
                         obj["choices"][0]["stop_reason"] = states[i].stop_reason
                     await send_chunk(obj, i, d.token_ids)
