@@ -573,3 +573,29 @@ def test_a_mode_measured_below_its_prediction_is_not_left_for_a_mode_predicted_n
     got = a.decide(now)
     assert got["current_credited"] == 0.0 and got["switch_to"] is None, got["decision"]
     assert a.measured_share["disagg:1p1d"][1] == 0.0  # remembered, should the replay later rank it ahead again
+
+
+def test_the_live_fit_keeps_every_shape_of_step_not_only_the_latest_steps():
+    """Defect (default model, a step trace of colocated then chunked:64 under phases traffic): the
+    live fit was made from the latest 800 steps, all of the shapes the current mode and traffic
+    made, and when the traffic changed it predicted the next window's steps 21% off (median; 12.5%
+    from a sample of every shape seen in the last minutes). Here a mode that reads every prompt in
+    chunks of 64 beside 8 decodes runs for 900 steps after a mix of shapes: the fit must still know
+    what a prompt read alone and a large decode batch cost (it had no step of either left)."""
+    from minipd.server.advisor_sim import live_profile
+
+    router = serving_router(FakePool(["both", "both"], num_blocks=1024))
+    a = router.advisor
+    feed_steps(a, batches=(1, 4, 8, 16, 32))  # the mix the mode before ran
+    t = time.time() - 50.0
+    for i in range(900):  # then chunked:64, one shape only
+        seconds = true_seconds(64, 8, 8 * 300)
+        a.on_step(i % 2, t, t + seconds, 64, 8, 64 * 32, 8 * 300)
+        t += seconds + 0.001
+    now = time.time()
+    feed(a, now, 2.0, 100, 20, 10.0)
+    snap, _ = a._open(now)
+    cost = live_profile(snap.steps, [], snap.shape, "shm")[0].step
+    for prefill, decodes, context in ((1600, 0, 0), (0, 32, 32 * 300), (0, 1, 300)):
+        got = cost.seconds(prefill, prefill * (prefill + 1) // 2, decodes, context)
+        assert got == pytest.approx(true_seconds(prefill, decodes, context), rel=0.15), (prefill, decodes, got)

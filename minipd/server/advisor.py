@@ -36,11 +36,12 @@ from minipd.server import advisor_sim
 from minipd.server.advisor_sim import Arrival
 from minipd.server.errors import ServeError
 from minipd.server.modes import Mode
+from minipd.server.step_sample import StepSample
 from minipd.sim.profile import Profile as StepProfile
-from minipd.sim.profile import WorkerShape
+from minipd.sim.profile import WorkerShape, loop_gap
 
 log = logging.getLogger("minipd.advisor")
-KEPT_STEPS = 800  # the fits use the last ones (a quiet window keeps the older ones)
+KEPT_STEPS = 800  # transfers, reply lengths and step spans for the loop's gap: the last ones (a quiet window keeps older ones)
 KEPT_ENTRIES = 500
 MIN_TOKENS_TO_JUDGE = 8  # a running reply's TPOT so far counts from this many tokens
 CHUNK_CANDIDATES = (256, 512)
@@ -86,6 +87,7 @@ class Snapshot:
     num_workers: int
     shape: WorkerShape
     transport: str
+    gap: float  # a worker's own loop between two steps back to back (seconds)
 
 
 class Advisor:
@@ -93,7 +95,8 @@ class Advisor:
         self.router = router
         self.config = config or AdvisorConfig()
         self.enabled = False
-        self.steps: deque[dict] = deque(maxlen=KEPT_STEPS)  # step events: worker, time, end and the step's shape
+        self.steps = StepSample()  # step events (worker, time, end and the step's shape): the fits' sample
+        self.recent_steps: deque[tuple[int, float, float]] = deque(maxlen=KEPT_STEPS)  # (worker, time, end): the loop's gap
         self.transfers: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (bytes, seconds)
         self.finished: deque[Finished] = deque()
         self.arrivals: deque[Arrival] = deque()
@@ -119,9 +122,9 @@ class Advisor:
                 prefill_attention: int | None = None, decode_context: int = 0) -> None:  # fmt: skip
         if prefill_attention is None:  # a worker that does not report it: as if each prompt were read whole
             prefill_attention = prefill_tokens * (prefill_tokens + 1) // 2
-        self.steps.append({"worker": worker, "time": start, "end": end, "prefill_tokens": prefill_tokens,
-                           "prefill_attention": prefill_attention, "decodes": decodes,
-                           "decode_context": decode_context})  # fmt: skip
+        self.steps.add({"worker": worker, "time": start, "end": end, "prefill_tokens": prefill_tokens,
+                        "prefill_attention": prefill_attention, "decodes": decodes, "decode_context": decode_context})  # fmt: skip
+        self.recent_steps.append((worker, start, end))
 
     def on_transfer(self, num_bytes: int, seconds: float | None) -> None:
         if num_bytes and seconds:
@@ -211,9 +214,9 @@ class Advisor:
             state = self.router.requests.get(a.key) if a.output_tokens is None else None
             if state is not None:
                 a.generated = len(state.output_token_ids)
-        snap = Snapshot(now, arrivals, list(self.steps), list(self.transfers),
-                        list(self.outputs), current, len(self.router.pool.workers), self._shape(),
-                        getattr(self.router, "kv_transport", "shm"))  # fmt: skip
+        snap = Snapshot(now, arrivals, self.steps.steps(now), list(self.transfers), list(self.outputs), current,
+                        len(self.router.pool.workers), self._shape(), getattr(self.router, "kv_transport", "shm"),
+                        loop_gap([{"worker": w, "time": t, "end": e} for w, t, e in self.recent_steps]))  # fmt: skip
         return snap, entry
 
     def _predict(self, snap: Snapshot, entry: dict) -> dict:
@@ -228,7 +231,7 @@ class Advisor:
         modes = candidates(snap.current, snap.num_workers, prompts)
         if cfg.model == "sim":
             fitted = (cfg.profile, {"source": "the profile given"}) if cfg.profile else advisor_sim.live_profile(
-                snap.steps, snap.transfers, snap.shape, snap.transport)
+                snap.steps, snap.transfers, snap.shape, snap.transport, snap.gap)
             if fitted is None:
                 entry["decision"] = "wait: too few steps measured to predict"
                 return entry

@@ -34,8 +34,8 @@ class Arrival:
     generated: int = 0  # tokens made so far, while it runs
 
 
-def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: WorkerShape,
-                 transport: str) -> tuple[Profile, dict] | None:  # fmt: skip
+def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: WorkerShape, transport: str,
+                 gap: float | None = None) -> tuple[Profile, dict] | None:  # fmt: skip
     """A profile from live step events ({worker, time, end, prefill_tokens, prefill_attention,
     decodes, decode_context}). Under live traffic the workers seldom step alone, and the steps that
     do are not a fair sample (a prompt read alone is rare), so the co-runner split of `fit_steps`
@@ -46,7 +46,7 @@ def live_profile(steps: list[dict], transfers: list[tuple[int, float]], shape: W
     if reading < MIN_STEPS or decoding < MIN_STEPS:
         return None
     cost, quality = fit_steps([dict(s, co_busy=0.0) for s in steps])
-    cost.gap = loop_gap(steps)
+    cost.gap = loop_gap(steps) if gap is None else gap  # `steps` may be a sample, not steps back to back
     links = {transport: fit_link(transfers, blocks_writer=transport == "shm")} if transfers else {}
     if not links:  # no handoff measured yet: moving KV is taken as free
         links = {transport: Link(0.0, float("inf"))}
