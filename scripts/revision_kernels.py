@@ -1,7 +1,24 @@
 """The kernels of another git revision, built beside the working tree's in one process, for the
-benchmarks' `--against REV` (a kernel change timed side by side with what it changes)."""
+benchmarks' `--against REV` (a kernel change timed side by side with what it changes). Run alone,
+it builds them and lists their operators (a check that a revision's kernels still build here).
+
+    python scripts/revision_kernels.py HEAD~3
+"""
 
 from __future__ import annotations
+
+import argparse
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rev", help="a git revision")
+    args = ap.parse_args()
+    import torch
+
+    kernels_of_revision(args.rev)
+    ops = sorted(name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("minipd_then::"))
+    print(f"built the kernels of {args.rev}: torch.ops.minipd_then.{{{', '.join(ops)}}}")
 
 
 def kernels_of_revision(rev: str):
@@ -35,3 +52,6 @@ def kernels_of_revision(rev: str):
         shutil.rmtree(folder)  # once loaded, the library needs no file
     return torch.ops.minipd_then
 
+
+if __name__ == "__main__":
+    main()
