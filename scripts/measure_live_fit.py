@@ -40,8 +40,11 @@ def main() -> None:
             s.add(step)
         return s.steps(kept[-1]["end"])
 
+    def live_fit(kept: list[dict]):
+        got = live_profile(kept, [], WorkerShape(), "shm")
+        return got[0].step if got else None
+
     fits = {"latest 800 steps": lambda kept: live_fit(kept[-800:]), "sample of every shape": lambda kept: live_fit(sample(kept))}
-    live_fit = lambda kept: (got := live_profile(kept, [], WorkerShape(), "shm")) and got[0].step  # noqa: E731
     if args.profile:
         with open(args.profile) as f:
             measured = Profile.from_dict(json.load(f)).step
