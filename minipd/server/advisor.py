@@ -96,7 +96,7 @@ class Advisor:
         self.config = config or AdvisorConfig()
         self.enabled = False
         self.steps = StepSample()  # step events (worker, time, end and the step's shape): the fits' sample
-        self.recent_steps: deque[tuple[int, float, float]] = deque(maxlen=KEPT_STEPS)  # (worker, time, end): the loop's gap
+        self.recent_steps: deque[dict] = deque(maxlen=KEPT_STEPS)  # the same step events, back to back: the loop's gap
         self.transfers: deque[tuple[int, float]] = deque(maxlen=KEPT_STEPS)  # (bytes, seconds)
         self.finished: deque[Finished] = deque()
         self.arrivals: deque[Arrival] = deque()
@@ -122,9 +122,10 @@ class Advisor:
                 prefill_attention: int | None = None, decode_context: int = 0) -> None:  # fmt: skip
         if prefill_attention is None:  # a worker that does not report it: as if each prompt were read whole
             prefill_attention = prefill_tokens * (prefill_tokens + 1) // 2
-        self.steps.add({"worker": worker, "time": start, "end": end, "prefill_tokens": prefill_tokens,
-                        "prefill_attention": prefill_attention, "decodes": decodes, "decode_context": decode_context})  # fmt: skip
-        self.recent_steps.append((worker, start, end))
+        step = {"worker": worker, "time": start, "end": end, "prefill_tokens": prefill_tokens,
+                "prefill_attention": prefill_attention, "decodes": decodes, "decode_context": decode_context}
+        self.steps.add(step)
+        self.recent_steps.append(step)
 
     def on_transfer(self, num_bytes: int, seconds: float | None) -> None:
         if num_bytes and seconds:
@@ -216,7 +217,7 @@ class Advisor:
                 a.generated = len(state.output_token_ids)
         snap = Snapshot(now, arrivals, self.steps.steps(now), list(self.transfers), list(self.outputs), current,
                         len(self.router.pool.workers), self._shape(), getattr(self.router, "kv_transport", "shm"),
-                        loop_gap([{"worker": w, "time": t, "end": e} for w, t, e in self.recent_steps]))  # fmt: skip
+                        loop_gap(list(self.recent_steps)))  # fmt: skip
         return snap, entry
 
     def _predict(self, snap: Snapshot, entry: dict) -> dict:
