@@ -232,6 +232,45 @@ def test_results_json_and_report_carry_phases(tmp_path):
     assert "## Phases: auto against the fixed modes" in md and "| 1 chat (0-10 s) | auto (colocated) |" in md
 
 
+def repeated_groups():
+    """Three repeats of synthetic_group: auto's phase-2 goodput 0.3, 0.5 and 0.4 req/s; disagg's 0.5 each time."""
+    runs = []
+    for i, auto_good in enumerate((3, 5, 4)):
+        group = synthetic_group()
+        auto_ttfts = [[0.1] * 5, [0.1] * auto_good + [2.0] * (5 - auto_good), [0.1] * 4 + [2.0]]
+        group[2] = synthetic_run("auto", auto_ttfts, {"mode": "auto"}, group[2]["advisor"])
+        for run in group:
+            run["repeat"], run["seed"] = i, i
+        runs += group
+    return runs
+
+
+def test_repeated_phases_compare_auto_with_the_best_fixed_mode_by_median_with_intervals():
+    runs = repeated_groups()
+    (c,) = ph.repeat_comparison(runs)
+    assert c["n"] == 3 and c["modes"] == ["colocated", "disagg:1p1d", "auto"]
+    p2 = c["phases"][1]
+    assert p2["name"] == "summarize" and p2["goodput"]["auto"]["values"] == pytest.approx([0.3, 0.5, 0.4])
+    assert p2["goodput"]["auto"]["median"] == pytest.approx(0.4)
+    assert p2["best_fixed"] == "disagg:1p1d"
+    assert p2["ratio"]["ratio"] == pytest.approx(0.8)
+    assert p2["ratio"]["lo"] == pytest.approx(0.6) and p2["ratio"]["hi"] == pytest.approx(1.0)
+    assert [p["best_fixed"] for p in c["phases"]] == ["colocated", "disagg:1p1d", "colocated"]
+    assert c["phases"][0]["ratio"]["ratio"] == pytest.approx(1.0)
+    overall = c["overall"]
+    assert overall["best_fixed"] == "colocated" and overall["goodput"]["auto"]["median"] == pytest.approx(13 / 30)
+    assert [(v["mode"], v["ratio"]) for v in overall["versus"]] == [("colocated", pytest.approx(13 / 11)),
+                                                                    ("disagg:1p1d", pytest.approx(13 / 8))]  # fmt: skip
+    text = ph.repeat_table(c)
+    print(text)
+    assert "| 2 summarize | 0.10 [0.10, 0.10] | 0.50 [0.50, 0.50] | 0.40 [0.30, 0.50] | 0.80x disagg:1p1d [0.60x, 1.00x] |" in text
+    assert "1.18x colocated [1.09x, 1.27x]" in text and "1.62x disagg:1p1d [1.50x, 1.75x]" in text
+    from minipd.bench import report
+
+    assert text in report.phase_tables_by_repeat(runs)
+    assert ph.repeat_comparison([r for r in runs if r["repeat"] == 0]) == []  # one run each: no intervals to give
+
+
 # ---- end to end on minipd ---------------------------------------------------------------------------
 
 

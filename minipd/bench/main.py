@@ -209,6 +209,8 @@ def run(argv=None) -> int:
                 if args.repeats > 1:
                     point = [r for r in runs if r["workload"] == name and r["rate"] == rate and "repeat" in r]
                     print(report.repeat_tables(point), file=sys.stderr)
+                    if name == "phases":
+                        print(ph.repeat_tables(point), file=sys.stderr)
             if args.goodput_search:
                 for label, body in modes:
                     found = ex.goodput_search(target, name, label, body, settings, lo=min(rates), hi=8 * max(rates),

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 
+from minipd.bench import stats
 from minipd.bench.metrics import RequestRecord, summarize
-from minipd.bench.report import fmt_number
+from minipd.bench.report import CONFIDENCE, fmt_number
 from minipd.bench.report import fmt_pct as _pct
 
 ROW_FIELDS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms", "p90_tpot_ms", "goodput", "slo_attainment")
@@ -176,6 +177,102 @@ def attach_comparisons(runs: list[dict]) -> list[dict]:
             run["phase_comparison"] = comparison
             found.append(comparison)
     return found
+
+
+# ---- repeated runs (bench --repeats N) ------------------------------------------------------------
+
+
+def repeat_comparison(runs: list[dict], confidence: float = CONFIDENCE) -> list[dict]:
+    """Per (workload, rate) run more than once with an auto run among the modes: per phase and overall,
+    each mode's goodput over the repeats (median and bootstrap interval), the best fixed mode by its
+    median, and auto against it as a paired ratio of medians over the repeats both ran (the same
+    seeds: the same requests), with its interval; overall also against every fixed mode. The best
+    fixed mode of each repeat alone is not used: the highest of several noisy runs flatters it."""
+    out = []
+    for group in groups(runs):
+        repeats = sorted({int(r["repeat"]) for r in group if "repeat" in r})
+        autos = [r for r in group if is_auto(r)]
+        if len(repeats) < 2 or not autos:
+            continue
+        by_label: dict[str, dict[int, dict]] = {}
+        for run in group:
+            if (is_fixed(run) or is_auto(run)) and "repeat" in run and not run.get("interrupted"):
+                by_label.setdefault(label_of(run), {})[int(run["repeat"])] = run
+        auto = label_of(autos[0])
+        fixed = [lab for lab in by_label if lab != auto]
+        keys = [row["phase"] for row in autos[0]["phases"]]
+        rows = [_repeat_row(by_label, auto, fixed, k, confidence) for k in keys]
+        out.append({"workload": autos[0].get("workload"), "rate": autos[0]["rate"], "n": len(repeats),
+                    "confidence": confidence, "rough": stats.is_rough(len(repeats)), "modes": list(by_label),
+                    "auto": auto, "fixed": fixed, "phases": [r for r in rows if r["phase"] != "overall"],
+                    "overall": next((r for r in rows if r["phase"] == "overall"), None)})  # fmt: skip
+    return out
+
+
+def _repeat_row(by_label: dict[str, dict[int, dict]], auto: str, fixed: list[str], k, confidence: float) -> dict:
+    def goodputs(label: str) -> dict[int, float]:
+        found = {i: (_phase(run, k) or {}).get("goodput") for i, run in by_label[label].items()}
+        return {i: g for i, g in found.items() if g is not None}
+
+    values = {label: goodputs(label) for label in by_label}
+    goodput = {}
+    for label, v in values.items():
+        median, lo, hi = stats.bootstrap_ci(list(v.values()), confidence=confidence)
+        goodput[label] = {"median": median, "lo": lo, "hi": hi, "values": list(v.values())}
+
+    def against(label: str) -> dict:
+        both = [i for i in values[auto] if i in values[label]]
+        r, lo, hi = stats.ratio_ci([values[auto][i] for i in both], [values[label][i] for i in both],
+                                   confidence=confidence)  # fmt: skip
+        return {"mode": label, "ratio": r, "lo": lo, "hi": hi, "n": len(both)}
+
+    ranked = [lab for lab in fixed if goodput[lab]["median"] is not None]
+    best = max(ranked, key=lambda lab: goodput[lab]["median"], default=None)
+    first = next(iter(by_label[auto].values()))
+    row = _phase(first, k) or {}
+    return {"phase": k, "name": row.get("name", str(k)), "goodput": goodput, "best_fixed": best,
+            "ratio": against(best) if best else None, "versus": [against(lab) for lab in fixed]}  # fmt: skip
+
+
+def repeat_table(c: dict) -> str:
+    """Markdown for one repeat_comparison: goodput per phase and mode, `median [lo, hi]`, and auto
+    against the best fixed mode of the phase; then overall against every fixed mode."""
+    conf = f"{100 * c['confidence']:.0f}%"
+    rough = (f" **Rough**: with fewer than {stats.ROUGH_BELOW} repeats an interval can be no wider than the "
+             "values measured.") if c["rough"] else ""  # fmt: skip
+    lines = [f"### `{c['workload']}` at {float(c['rate']):g} req/s over {c['n']} repeats (seeds paired)", "",
+             f"Goodput (req/s) per phase: the median over the repeats and its {conf} bootstrap interval; the "
+             f"last column is `{c['auto']}` against the fixed mode with the best median in that phase, a ratio "
+             f"of medians paired by seed with its interval.{rough}", "",
+             "| phase | " + " | ".join(c["modes"]) + f" | {c['auto']} / best fixed |",
+             "|---|" + "---|" * (len(c["modes"]) + 1)]  # fmt: skip
+    for p in c["phases"] + ([c["overall"]] if c["overall"] else []):
+        where = "overall" if p["phase"] == "overall" else f"{p['phase'] + 1} {p['name']}"
+        cells = [_interval(p["goodput"][m]) for m in c["modes"]]
+        lines.append(f"| {where} | " + " | ".join(cells) + f" | {_ratio_cell(p['ratio'])} |")
+    if c["overall"]:
+        versus = ", ".join(_ratio_cell(v) for v in c["overall"]["versus"])
+        lines += ["", f"Overall, `{c['auto']}` against each fixed mode: {versus or 'none run'}."]
+    return "\n".join(lines)
+
+
+def _interval(m: dict) -> str:
+    if m["median"] is None:
+        return "-"
+    if m["lo"] is None:
+        return f"{m['median']:.2f}"
+    return f"{m['median']:.2f} [{m['lo']:.2f}, {m['hi']:.2f}]"
+
+
+def _ratio_cell(r: dict | None) -> str:
+    if not r or r["ratio"] is None:
+        return "-"
+    text = f"{_x(r['ratio'])} {r['mode']}"
+    return text if r["lo"] is None else f"{text} [{_x(r['lo'])}, {_x(r['hi'])}]"
+
+
+def repeat_tables(runs: list[dict]) -> str:
+    return "\n\n".join(repeat_table(c) for c in repeat_comparison(runs))
 
 
 # ---- text ------------------------------------------------------------------------------------------

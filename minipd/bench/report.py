@@ -139,11 +139,14 @@ def phase_tables(runs: list[dict]) -> str:
 
 
 def phase_tables_by_repeat(runs: list[dict]) -> str:
-    """phase_tables, one set per repeat where the runs were repeated (bench --repeats)."""
+    """phase_tables, one set per repeat where the runs were repeated (bench --repeats), after auto
+    against the fixed modes over all the repeats (phases.repeat_tables)."""
+    from minipd.bench.phases import repeat_tables as phase_repeat_tables
+
     repeats = sorted({int(r["repeat"]) for r in runs if "repeat" in r})
     if len(repeats) < 2:
         return phase_tables(runs)
-    out = []
+    out = [text] if (text := phase_repeat_tables(runs)) else []
     for i in repeats:
         text = phase_tables([r for r in runs if r.get("repeat", 0) == i])
         if text:
