@@ -190,6 +190,8 @@ def test_a_prediction_runs_off_the_event_loop_on_a_snapshot():
     a.steps.clear()
     entry = asyncio.run(asyncio.to_thread(a._predict, snap, entry))
     assert len(entry["predictions"]) >= 4 and entry["traffic"]["rate"] == (60 + 4) / 20.0
+    assert 0 < entry["predict_cpu_seconds"] <= entry["predict_seconds"] + 0.01, entry  # what the decision cost
+    print(f"{len(entry['predictions'])} predictions: {entry['predict_seconds']:.3f} s, {entry['predict_cpu_seconds']:.3f} s CPU")
 
 
 def test_the_live_fit_holds_when_prompts_are_never_read_alone():

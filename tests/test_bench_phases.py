@@ -147,7 +147,8 @@ def synthetic_group():
     disagg = synthetic_run("disagg:1p1d", [[2.0] * 3 + [0.1] * 2, [0.2] * 5, [2.0] * 4 + [0.1]])
     advisor = {
         "window_s": 5.0,
-        "decisions": [{"time": T0 + 5}, {"time": T0 + 12}, {"time": T0 + 24}],
+        "decisions": [{"time": T0 + 5, "predict_cpu_seconds": 0.25}, {"time": T0 + 12, "predict_cpu_seconds": 0.5},
+                      {"time": T0 + 24}],
         "switches": 2,
         "switch_log": [{"at_s": 12.0, "to": "disagg:1p1d"}, {"at_s": 24.0, "to": "colocated"}],
     }
@@ -189,14 +190,15 @@ def test_auto_against_the_best_fixed_mode_per_phase_and_overall():
                                                               ("disagg:1p1d", pytest.approx(12 / 8))]  # fmt: skip
     assert o["best_fixed_per_phase_goodput"] == pytest.approx(15 / 30)
     assert o["ratio_to_best_fixed_per_phase"] == pytest.approx(0.8)
-    assert c["advisor"] == {"decisions": 3, "switches": 2, "error": None}
+    assert c["advisor"] == {"decisions": 3, "switches": 2, "error": None, "cpu_seconds": 0.75, "span_s": 30.0}
     text = ph.table(group)
     print(text)
     assert "| 2 summarize (10-20 s) | auto (colocated -> disagg:1p1d) | 5 (5 / 0) |" in text
     assert "| overall (0-30 s) | colocated | 15 (15 / 0) | 100 / 2000 | 20.0 / 20.0 | 0.37 | 73% |" in text
     assert "best fixed mode, disagg:1p1d, 0.50 req/s: **0.60x**" in text
     assert "- overall: auto 0.40 req/s: 1.09x colocated (0.37), 1.50x disagg:1p1d (0.27); 0.80x the best" in text
-    assert "2 switch(es): 12.0 s to disagg:1p1d (phase 2), 24.0 s to colocated (phase 3)" in text
+    assert ("2 switch(es): 12.0 s to disagg:1p1d (phase 2), 24.0 s to colocated (phase 3); its predictions took "
+            "0.8 s of CPU in the main process (2.5% of one core over the run)") in text
 
 
 def test_ratio_edges_and_no_slos():

@@ -160,8 +160,15 @@ def compare(group: list[dict]) -> list[dict]:
                                 "best_fixed_per_phase_goodput": combined,
                                 "ratio_to_best_fixed_per_phase": ratio(overall.get("goodput"), combined)},
                     "advisor": {"decisions": len(adv.get("decisions") or []), "switches": adv.get("switches", 0),
-                                "error": adv.get("error")}})  # fmt: skip
+                                "error": adv.get("error"), "cpu_seconds": _predict_cpu(adv),
+                                "span_s": span_sum}})  # fmt: skip
     return out
+
+
+def _predict_cpu(advisor: dict) -> float | None:
+    """CPU seconds the advisor's predictions took during the run (None where not recorded)."""
+    costs = [d["predict_cpu_seconds"] for d in advisor.get("decisions") or [] if "predict_cpu_seconds" in d]
+    return sum(costs) if costs else None
 
 
 def _phase(run: dict, k) -> dict | None:
@@ -351,8 +358,16 @@ def comparison_text(c: dict, run: dict | None = None) -> str:
     else:
         moves = [f"{s['at_s']:.1f} s to {s.get('to')}" + _in_phase(run, s["at_s"]) for s in adv.get("switch_log") or []]
         lines.append(f"- the advisor (window {_f(adv.get('window_s'), 0)} s): {c['advisor']['decisions']} decisions "
-                     f"during the run, {c['advisor']['switches']} switch(es)" + (f": {', '.join(moves)}" if moves else ""))  # fmt: skip
+                     f"during the run, {c['advisor']['switches']} switch(es)" + (f": {', '.join(moves)}" if moves else "")
+                     + _cost(c["advisor"]))  # fmt: skip
     return "\n".join(lines)
+
+
+def _cost(adv: dict) -> str:
+    cpu, span = adv.get("cpu_seconds"), adv.get("span_s")
+    if cpu is None or not span:
+        return ""
+    return f"; its predictions took {cpu:.1f} s of CPU in the main process ({cpu / span:.1%} of one core over the run)"
 
 
 def _in_phase(run: dict | None, at_s: float) -> str:
