@@ -8,6 +8,7 @@ import threading
 import pytest
 from aiohttp import web
 
+from minipd.bench import experiment
 from minipd.bench import main as bench_main
 from minipd.bench import plan_main
 from minipd.bench.main import run
@@ -254,3 +255,44 @@ def test_a_url_where_nothing_answers_is_a_one_line_error(capsys, tmp_path):
     err = capsys.readouterr().err
     assert "cannot reach a server at http://127.0.0.1:9" in err and err.count("\n") == 1, err
     assert not (tmp_path / "b").exists()
+
+
+class StandInMinipd(StandInServer):
+    """The stand-in with minipd's /admin/workers and /admin/mode, so that the bench switches its modes."""
+
+    def routes(self, app) -> None:
+        super().routes(app)
+        app.router.add_get("/admin/workers", self.workers)
+        app.router.add_post("/admin/mode", self.mode)
+
+    async def workers(self, request):
+        return web.json_response({"workers": [{"id": 0}, {"id": 1}], "kv_transport": "shm"})
+
+    async def mode(self, request):
+        return web.json_response(await request.json())
+
+
+def test_a_server_that_goes_away_mid_bench_leaves_what_was_measured(tmp_path, capsys, monkeypatch):
+    """Defect: the server stopping between two runs (its process killed, the machine rebooted) ended the
+    bench in a urllib traceback, and the runs already measured (minutes each) were not written."""
+    server = StandInMinipd()
+    real = experiment.run_once
+    calls = []
+
+    def run_once(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 2:
+            server.stop()  # gone before the second mode is switched to
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("minipd.bench.experiment.run_once", run_once)
+    out = tmp_path / "b"
+    rc = run(["--url", server.url, "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+              "--modes", "colocated,chunked", "--no-progress", "--out", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert calls == ["colocated", "chunked"]
+    assert rc == 1 and "Traceback" not in err, err
+    assert f"the server at {server.url} stopped answering" in err and "writing what was measured" in err, err
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["params"]["label"] for r in runs] == ["colocated"] and runs[0]["summary"]["completed"] == 3
+    assert (out / "report.md").exists()

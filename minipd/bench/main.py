@@ -150,7 +150,7 @@ def run(argv=None) -> int:
     from minipd.bench import report
     from minipd.bench.metrics import at_least
     from minipd.bench.server_process import ServerProcess
-    from minipd.bench.target import Target, Unreachable
+    from minipd.bench.target import Lost, SwitchRefused, Target, Unreachable
 
     rates = [float(r) for r in args.rates.split(",")]
     links = [float(x) for x in args.kv_link_gbps.split(",")] if args.kv_link_gbps else []
@@ -239,6 +239,9 @@ def run(argv=None) -> int:
     except KeyboardInterrupt:
         notes["interrupted"] = True
         print("interrupted: writing what was measured", file=sys.stderr)
+    except (Lost, SwitchRefused) as err:
+        notes["error"] = str(err)
+        print(f"error: {err}; writing what was measured", file=sys.stderr)
     finally:
         if server is not None:
             server.stop()
@@ -254,7 +257,7 @@ def run(argv=None) -> int:
     report.write_report_md(args.out, runs, "minipd bench", "python -m minipd bench " + " ".join(sys.argv[2:] if
                            argv is None else argv), extra)  # fmt: skip
     print(f"wrote {args.out}/report.md, results.json and the plots", file=sys.stderr)
-    return 130 if notes.get("interrupted") else 0
+    return 130 if notes.get("interrupted") else 1 if notes.get("error") else 0
 
 
 def _say(run: dict) -> None:

@@ -12,6 +12,14 @@ class Unreachable(RuntimeError):
     """No OpenAI-compatible server answered at the URL (nothing listens, or something else does)."""
 
 
+class Lost(ConnectionError):
+    """The server stopped answering during the bench."""
+
+
+class SwitchRefused(RuntimeError):
+    """The server answered POST /admin/mode with an error."""
+
+
 @dataclass(slots=True)
 class Target:
     url: str
@@ -51,8 +59,11 @@ class Target:
     def set_mode(self, body: dict) -> dict:
         status, got = self.post("/admin/mode", body)
         if status != 200:
-            raise RuntimeError(f"switching to {body} failed: {got}")
+            raise SwitchRefused(f"switching to {body} failed: {got}")
         return got
 
     def _call(self, method: str, path: str, body: dict | None = None):
-        return http(method, self.url + path, body, timeout=900, api_key=self.api_key)
+        try:
+            return http(method, self.url + path, body, timeout=900, api_key=self.api_key)
+        except OSError as err:
+            raise Lost(f"the server at {self.url} stopped answering ({getattr(err, 'reason', err)})") from err
