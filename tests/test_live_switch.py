@@ -87,6 +87,27 @@ def test_switches_under_live_traffic_move_replies_without_changing_a_token(trans
         assert same["changed"] is False and "nothing changed" in same["note"]
 
 
+def test_on_the_default_model_replies_moved_by_live_switches_keep_every_token():
+    """The same as above with real weights (its logits are peaked, tiny-random's nearly flat): 250
+    greedy and seeded tokens per reply, a switch that moves half the replies, then one that moves
+    them all onto one worker; every reply equals the server's run that never switched."""
+    with serving("--workers", "2", "--threads-per-worker", "1") as server:
+
+        async def reference():
+            return (texts(await stream_completions(server.url, PROMPTS, MAX_TOKENS)),
+                    texts(await stream_completions(server.url, PROMPTS[:4], MAX_TOKENS, **SEEDED)))  # fmt: skip
+
+        want_greedy, want_seeded = asyncio.run(reference())
+        for body in ({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1},
+                     {"mode": "chunked", "chunk_tokens": 32, "workers": 1}):  # fmt: skip
+            greedy, seeded, (status, answer) = asyncio.run(streams_with_a_switch(server, body))
+            assert status == 200 and answer["switch"]["moved"] > 0 and answer["switch"]["not_moved"] == 0, answer
+            assert texts(greedy) == want_greedy, body
+            assert texts(seeded) == want_seeded, body
+            wait_for_idle_workers(server, 20)
+            server.post("/admin/mode", {"mode": "colocated", "workers": 2})
+
+
 def test_a_move_whose_kv_is_lost_on_the_wire_is_redone_and_the_text_is_unchanged():
     env = {**os.environ, "MINIPD_FAULTS": "drop_kv_part_on_token=4,kv_faults_first_attempt=1"}
     prompts = [[4, 9, 12, 15] * 6, [4, 7, 12, 15] * 6]  # a move of either loses a part of its KV
