@@ -257,25 +257,10 @@ def test_a_url_where_nothing_answers_is_a_one_line_error(capsys, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
-class StandInMinipd(StandInServer):
-    """The stand-in with minipd's /admin/workers and /admin/mode, so that the bench switches its modes."""
-
-    def routes(self, app) -> None:
-        super().routes(app)
-        app.router.add_get("/admin/workers", self.workers)
-        app.router.add_post("/admin/mode", self.mode)
-
-    async def workers(self, request):
-        return web.json_response({"workers": [{"id": 0}, {"id": 1}], "kv_transport": "shm"})
-
-    async def mode(self, request):
-        return web.json_response(await request.json())
-
-
 def test_a_server_that_goes_away_mid_bench_leaves_what_was_measured(tmp_path, capsys, monkeypatch):
     """Defect: the server stopping between two runs (its process killed, the machine rebooted) ended the
     bench in a urllib traceback, and the runs already measured (minutes each) were not written."""
-    server = StandInMinipd()
+    server = StandInModes()  # minipd's /admin/workers and /admin/mode, so that the bench switches modes
     real = experiment.run_once
     calls = []
 
