@@ -26,7 +26,7 @@ def true_seconds(prefill: int, decodes: int, context: int) -> float:
 def feed_steps(a, prefill=(200, 400, 800, 1600), batches=(1, 4, 8, 16), mixed=()):
     """Steps as workers report them, one worker at a time (none overlaps another)."""
     t = time.time() - 100.0
-    shapes = [(n, 0, 0) for n in prefill] + [(0, b, b * 300) for b in batches] + list(mixed)
+    shapes = [(n, 0, 0) for n in prefill] + [(0, b, b * c) for b in batches for c in (100, 900)] + list(mixed)
     for i, (n, b, ctx) in enumerate(shapes * 3):
         seconds = true_seconds(n, b, ctx)
         a.on_step(i % 2, t, t + seconds, n, b, n * (n + 1) // 2, ctx)

@@ -50,10 +50,10 @@ def test_decode_batch_obeys_littles_law():
     assert tpot == pytest.approx(0.02 + per_seq * batch)
 
 
-def test_decode_batch_past_the_step_models_knee_obeys_littles_law_on_the_steeper_line():
-    """A profile whose decodes cost more each past a knee (sim.profile's decode_knee): the planner read
-    only the lower line and put a batch past the knee at a TPOT the worker cannot make."""
-    p = _profile(decode_knee=8, decode_past_knee_s=0.001)
+def test_decode_batch_past_a_bend_of_the_step_model_obeys_littles_law_on_the_line_past_it():
+    """A profile whose decodes cost more each past a bend (sim.profile's decode_bends): the planner read
+    only the lower line and put a batch past the bend at a TPOT the worker cannot make."""
+    p = _profile(decode_bends=[[8, 0.003]])
     t = Traffic(rate=5.0, prompt_tokens=100, output_tokens=50)
     tpot, batch = decode_tpot(p, t, 1)
     assert batch > 8 and batch == pytest.approx(5.0 * 50 * tpot)
@@ -63,6 +63,18 @@ def test_decode_batch_past_the_step_models_knee_obeys_littles_law_on_the_steeper
     light = Traffic(rate=0.5, prompt_tokens=100, output_tokens=50)  # below the knee: the lower line
     assert decode_tpot(p, light, 1) == decode_tpot(_profile(), light, 1)
     assert decode_tpot(p, Traffic(rate=20.0, prompt_tokens=100, output_tokens=50), 1)[0] == math.inf
+
+
+def test_decode_batch_past_a_bend_where_decodes_cost_less_lands_on_the_flatter_line():
+    """On a CPU where a step's cost per decode falls past a few rows (oneDNN's product from three), a
+    load that one line would call overloaded is served on the flatter line past the bend."""
+    p = _profile(decode_bends=[[2, 0.005], [4, 0.0005]])
+    t = Traffic(rate=8.0, prompt_tokens=100, output_tokens=50)
+    assert decode_tpot(_profile(decode_per_seq_s=0.005), t, 1)[0] == math.inf
+    tpot, batch = decode_tpot(p, t, 1)
+    assert batch > 4 and batch == pytest.approx(8.0 * 50 * tpot)
+    ctx = 1e-6 * (100 + 25)
+    assert tpot == pytest.approx(0.02 + 2 * 0.002 + 2 * 0.005 + 0.0005 * (batch - 4) + ctx * batch)
 
 
 def test_recommend_gives_prompt_heavy_traffic_more_prefill_workers():

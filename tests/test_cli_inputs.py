@@ -52,7 +52,8 @@ def test_bad_numbers_and_names_are_refused_with_a_message(argv, says, capsys):
 
 
 def test_a_profile_no_measurement_could_give_is_refused(tmp_path, capsys):
-    for bad in ({"fixed": float("nan")}, {"per_decode": -0.5}, {"fixed": "fast"}, {"decode_knee": 7.5}):
+    for bad in ({"fixed": float("nan")}, {"per_decode": -0.5}, {"fixed": "fast"}, {"decode_bends": [[7.5, 1e-3]]},
+                {"decode_bends": [[8, 1e-3], [4, 1e-3]]}, {"decode_bends": [[8, -1.0]]}, {"decode_bends": 8}):
         path = write_profile(tmp_path, **bad)
         with pytest.raises(SystemExit) as e:
             main(["sim", "--profile", path, "--quick", "--out", str(tmp_path / "out")])
@@ -79,8 +80,12 @@ def test_a_profile_of_the_wrong_shape_is_refused_in_words_not_in_python(tmp_path
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
             Profile.from_dict(d)
     d = json.loads(json.dumps(base))
-    del d["step"]["decode_knee"], d["step"]["per_decode_past_knee"]  # a profile from before the knee
-    assert Profile.from_dict(d).step.decode_knee == 0
+    del d["step"]["decode_bends"]  # a profile from before the knee
+    assert Profile.from_dict(d).step.decode_bends == []
+    d["step"].update(decode_knee=8, per_decode_past_knee=1e-3)  # from before the bends: one knee that steepened
+    step = Profile.from_dict(d).step
+    assert step.decode_bends == [[8, step.per_decode + 1e-3]]
+    assert step.seconds(0, 0, 10, 0) - step.seconds(0, 0, 8, 0) == pytest.approx(2 * (step.per_decode + 1e-3))
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):

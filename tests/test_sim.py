@@ -49,7 +49,7 @@ def test_fit_finds_the_batch_past_which_each_decode_costs_more():
     """Decode steps cost more per row past some batch (on the CPU, where the small-row kernel hands
     the products to oneDNN): the step model's decode term bends there, and the fit finds where."""
     rng = np.random.default_rng(1)
-    truth = StepCost(0.02, 3e-4, 2e-9, 1.5e-3, 4e-7, per_mixed_decode=5e-4, decode_knee=8, per_decode_past_knee=2.5e-3)
+    truth = StepCost(0.02, 3e-4, 2e-9, 1.5e-3, 4e-7, per_mixed_decode=5e-4, decode_bends=[[8, 4e-3]])
     steps = []
     for i in range(300):
         p, d = int(rng.integers(0, 1000)) * (i % 3 == 0), int(rng.choice([1, 2, 4, 8, 12, 16, 24, 32]))
@@ -59,13 +59,38 @@ def test_fit_finds_the_batch_past_which_each_decode_costs_more():
                       "decode_context": dc})  # fmt: skip
     assert truth.seconds(0, 0, 16, 0) - truth.seconds(0, 0, 8, 0) == pytest.approx(8 * (1.5e-3 + 2.5e-3))
     got, quality = fit_steps(steps)
-    assert got.decode_knee == 8
-    for name in ("fixed", "per_prefill_token", "per_decode", "per_decode_context", "per_mixed_decode",
-                 "per_decode_past_knee"):
+    for name in ("fixed", "per_prefill_token", "per_decode", "per_decode_context", "per_mixed_decode"):
         assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
+    assert [b for b, _ in got.decode_bends] == [8] and got.decode_bends[0][1] == pytest.approx(4e-3, rel=1e-6)
     assert quality["p90_abs_rel_error"] < 1e-9
     run = got.decode_run_seconds(16, 100, 3)  # a run of decode steps costs what seconds() says, to the bit
     assert run == [got.seconds(0, 0, 16, 100 + i * 16) for i in range(3)]
+
+
+def test_fit_follows_a_decode_cost_that_flattens_and_extrapolates_along_its_last_stretch():
+    """Defect (found on a 2-core AVX-512 EPYC): a decode step's cost per row falls past a few rows
+    there (one row to two: the small-row kernel; from three: oneDNN's product, which costs more to
+    start but less per row). One straight line with a knee that can only steepen cannot follow it:
+    fitted on batches of 1 to 16 it put batch 24 at 189 ms against the 123 ms measured live, and the
+    simulator saw an overload where the server kept up. The decode term bends where the measured
+    batch sizes say, either way, and past the largest size measured keeps its last slope."""
+    def truth(d: int, ctx: int) -> float:  # 25 ms + 9 ms per row up to 4, 2.5 ms per row past 4
+        return 0.025 + 0.009 * min(d, 4) + 0.0025 * max(0, d - 4) + 3e-6 * ctx
+
+    rng = np.random.default_rng(2)
+    steps = []
+    for i in range(300):
+        p = int(rng.integers(16, 1000)) if i % 3 == 0 else 0
+        d = 0 if p else int(rng.choice([1, 2, 4, 6, 8, 16]))
+        ctx = d * int(rng.integers(30, 1500))
+        t = 0.025 + 2.2e-3 * p if p else truth(d, ctx)
+        steps.append({"time": 100.0, "end": 100.0 + t, "prefill_tokens": p, "prefill_attention": 0, "decodes": d,
+                      "decode_context": ctx})  # fmt: skip
+    got, quality = fit_steps(steps)
+    assert quality["p90_abs_rel_error"] < 1e-6
+    for d in (24, 32):  # past every batch measured
+        assert got.seconds(0, 0, d, d * 100) == pytest.approx(truth(d, d * 100), rel=1e-3), d
+    assert all(got.seconds(0, 0, d + 1, 0) >= got.seconds(0, 0, d, 0) for d in range(64))  # a row never saves time
 
 
 def test_nonnegative_least_squares_never_gives_a_negative_cost():
@@ -210,8 +235,8 @@ def test_planner_reads_a_simulator_profile():
 
     p = plan.from_step_model(profile(), prompt_tokens=512)
     assert p.prefill_fixed_s == STEP.fixed and p.decode_per_seq_s == STEP.per_decode
-    bent = plan.from_step_model(profile(step=StepCost(**{**asdict(STEP), "decode_knee": 8, "per_decode_past_knee": 3e-3})))
-    assert bent.decode_knee == 8 and bent.decode_past_knee_s == 3e-3
+    bent = plan.from_step_model(profile(step=StepCost(**{**asdict(STEP), "decode_bends": [[8, 5e-3]]})))
+    assert bent.decode_bends == [[8, 5e-3]]
     assert p.kv_bytes_per_token == KV_PER_TOKEN and p.kv_bandwidth_bytes_s == 1e6
     plan_ = plan.recommend(p, plan.Traffic(1.0, 200, 50), 4, 1.0, 0.1)
     assert plan_["best"]["split"] in {r["split"] for r in plan_["options"]}

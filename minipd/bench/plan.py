@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 
 from minipd.bench.client import run_load
 from minipd.bench.target import Target
@@ -36,8 +37,8 @@ class Profile:
     kv_bytes_per_token: int
     kv_bandwidth_bytes_s: float  # measured on the server's transport
     points: dict  # the measurements the fits came from
-    decode_knee: float = 0.0  # sequences past this many in a step cost decode_past_knee_s more each (0: none)
-    decode_past_knee_s: float = 0.0
+    # [[batch, seconds], ...], batches rising: each sequence past `batch` in a step costs `seconds` (not c1)
+    decode_bends: list = field(default_factory=list)
 
     @property
     def compute_bound_batch(self) -> float:
@@ -65,7 +66,7 @@ def from_step_model(p, prompt_tokens: float = 512.0) -> Profile:
                    interference_per_token_s=s.per_prefill_token, kv_bytes_per_token=p.worker.kv_bytes_per_token,
                    kv_bandwidth_bytes_s=link.bytes_per_s if link else float("nan"),
                    points={"from": "a simulator profile", "source": p.source},
-                   decode_knee=s.decode_knee, decode_past_knee_s=s.per_decode_past_knee)  # fmt: skip
+                   decode_bends=[list(b) for b in s.decode_bends])  # fmt: skip
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -174,19 +175,20 @@ def prefill_ttft(p: Profile, t: Traffic, workers: int, link_bytes_s: float | Non
 
 def decode_tpot(p: Profile, t: Traffic, workers: int) -> tuple[float, float]:
     """(TPOT, batch) on `workers` decode workers; inf if the batch would grow without bound."""
-    context = t.prompt_tokens + t.output_tokens / 2
-    per_seq = p.decode_per_seq_s + p.decode_per_context_token_s * context
+    per_context = p.decode_per_context_token_s * (t.prompt_tokens + t.output_tokens / 2)
     load = t.rate / workers * t.output_tokens  # tokens per second a worker must produce
-    if load * per_seq >= 1:
-        return float("inf"), float("inf")
-    batch = load * p.decode_fixed_s / (1 - load * per_seq)
-    if p.decode_knee and p.decode_past_knee_s and batch > p.decode_knee:  # on the steeper line past the knee
-        fixed, per_seq = p.decode_fixed_s - p.decode_past_knee_s * p.decode_knee, per_seq + p.decode_past_knee_s
-        if load * per_seq >= 1:
-            return float("inf"), float("inf")
-        batch = load * fixed / (1 - load * per_seq)
-        return fixed + per_seq * batch, batch
-    return p.decode_fixed_s + per_seq * batch, batch
+    # the step is a line on each stretch between bends: the batch is the first that Little's law
+    # (batch = load x step(batch)) puts on the stretch whose line it solved
+    start, rate, fixed = 0.0, p.decode_per_seq_s, p.decode_fixed_s  # fixed: the stretch's line at batch 0
+    for end, next_rate in [*p.decode_bends, [math.inf, None]]:
+        per_seq = rate + per_context
+        if load * per_seq < 1:
+            batch = load * fixed / (1 - load * per_seq)
+            if batch <= end:
+                return fixed + per_seq * batch, max(batch, start)
+        if next_rate is not None:
+            fixed, start, rate = fixed + (rate - next_rate) * end, end, next_rate
+    return math.inf, math.inf
 
 
 def colocated(p: Profile, t: Traffic, workers: int) -> tuple[float, float]:
@@ -243,7 +245,7 @@ def explain(plan: dict, p: Profile) -> str:
         f"{t['prompt_tokens']:.0f} = {service * 1e3:.0f} ms; a prefill worker is busy rate/P x that of the time.",
         f"Decode step: {p.decode_fixed_s * 1e3:.1f} ms + {p.decode_per_seq_s * 1e3:.2f} ms per sequence "
         f"+ {p.decode_per_context_token_s * 1e6:.2f} us per context token per sequence"
-        + (f" + {p.decode_past_knee_s * 1e3:.2f} ms per sequence past {p.decode_knee:.0f}" if p.decode_knee else "")
+        + "".join(f", {rate * 1e3:.2f} ms per sequence past {batch:.0f}" for batch, rate in p.decode_bends)
         + "; it turns compute-bound "
         f"(twice the batch-1 step) at B* = {p.compute_bound_batch:.0f}.",
         "",

@@ -7,12 +7,14 @@ The step model is linear in what the scheduler put in the step (StepShape):
     step = fixed + prefill_tokens * per_prefill_token + prefill_attention * per_attention_pair
                  + decodes * per_decode + decode_context * per_decode_context
                  + (decodes in a step that also reads prompt tokens) * per_mixed_decode
-                 + (decodes past decode_knee) * per_decode_past_knee
 
-fitted on measured steps by non-negative least squares on relative error (a 20 ms decode step
-counts as much as a 2 s prefill), with the knee at the measured batch size that fits best (a
-step's cost per decode grows where the engine's product changes kind: on the CPU, where the
-small-row kernel hands the products to oneDNN), and `gap` is the worker's own time between two steps."""
+where the decodes' own cost bends at some batch sizes (decode_bends): past each bend every further
+decode costs that bend's rate (on the CPU a step's cost per row changes where the engine's product
+changes kind: from the small-row kernel to oneDNN's, which costs more to start and less per row).
+It is fitted on measured steps by non-negative least squares on relative error (a 20 ms decode step
+counts as much as a 2 s prefill), with bends at the batch sizes measured, so that the decode term
+follows the measured curve up or down and, past the largest batch measured, its last slope; `gap`
+is the worker's own time between two steps."""
 
 from __future__ import annotations
 
@@ -27,15 +29,21 @@ import numpy as np
 
 FORMAT = 1
 GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work)
-TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode",
-         "per_decode_past_knee")
-MAX_KNEES_TRIED = 8
+TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode")
+MAX_BENDS = 4  # the fit tries every set of terms: 2^(6 + bends) least squares
+BEND_MIN_STEPS = 3  # steps of a batch size (run alone) before a bend may sit there
+BEND_SPACING = 1.5  # each bend at least this many times the batch size of the one before
 
 
-def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> tuple:
-    """The step's terms but the last (decodes past the knee, which depends on the knee tried)."""
+def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int,
+             bends: list[int] = ()) -> tuple:  # fmt: skip
+    """The step's terms: per_decode's is the decodes up to the first bend, then one per bend (the
+    decodes past it, up to the next)."""
     mixed = decodes if prefill_tokens else 0
-    return (1.0, float(prefill_tokens), float(prefill_attention), float(decodes), float(decode_context), float(mixed))
+    edges = [0, *bends, math.inf]
+    stretches = [float(max(0, min(decodes, b) - a)) for a, b in zip(edges, edges[1:])]
+    return (1.0, float(prefill_tokens), float(prefill_attention), stretches[0], float(decode_context), float(mixed),
+            *stretches[1:])  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -49,29 +57,38 @@ class StepCost:
     gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
     noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
     co_runner: float = 0.0  # a step is (1 + co_runner x b) slower, b the share of the box's other workers stepping
-    decode_knee: int = 0  # decodes past this many in one step cost per_decode_past_knee more each (0: no knee)
-    per_decode_past_knee: float = 0.0
+    # [[batch, rate], ...], batches rising: each decode past `batch` in a step costs `rate` (not per_decode)
+    decode_bends: list[list[float]] = field(default_factory=list)
 
     def seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> float:
         return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
-                + decodes * self.per_decode + decode_context * self.per_decode_context
-                + (decodes * self.per_mixed_decode if prefill_tokens else 0.0) + self._past_knee(decodes))  # fmt: skip
+                + self.decodes_seconds(decodes) + decode_context * self.per_decode_context
+                + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
 
-    def knee_text(self, per: str = "/") -> str:
-        """' (+ 2.500 ms/decode past 8 in a step)', or '' without a knee."""
-        if not self.decode_knee:
+    def decodes_seconds(self, decodes: int) -> float:
+        """What the step's `decodes` cost on their own (not their context): per_decode each up to the
+        first bend, then each bend's rate up to the next."""
+        total, at, rate = 0.0, 0, self.per_decode
+        for batch, next_rate in self.decode_bends:
+            if decodes <= batch:
+                break
+            total += (batch - at) * rate
+            at, rate = batch, next_rate
+        return total + (decodes - at) * rate
+
+    def bends_text(self, per: str = "/") -> str:
+        """' (3.000 ms/decode past 4 in a step, 2.500 past 16)', or '' without bends."""
+        if not self.decode_bends:
             return ""
-        return f" (+ {self.per_decode_past_knee * 1e3:.3f} ms{per}decode past {self.decode_knee} in a step)"
-
-    def _past_knee(self, decodes: int) -> float:
-        return max(0, decodes - self.decode_knee) * self.per_decode_past_knee if self.decode_knee else 0.0
+        parts = [f"{rate * 1e3:.3f} ms{per}decode past {batch:g} in a step" if i == 0 else f"{rate * 1e3:.3f} past {batch:g}"
+                 for i, (batch, rate) in enumerate(self.decode_bends)]  # fmt: skip
+        return f" ({', '.join(parts)})"
 
     def decode_run_seconds(self, decodes: int, context: int, steps: int) -> list[float]:
         """seconds(0, 0, decodes, context + i * decodes) for i in range(steps), each the same float:
         a run of decode steps, each reply one token longer than at the step before."""
-        base, per_context = self.fixed + decodes * self.per_decode, self.per_decode_context
-        past = self._past_knee(decodes)
-        return [base + (context + i * decodes) * per_context + past for i in range(steps)]
+        base, per_context = self.fixed + self.decodes_seconds(decodes), self.per_decode_context
+        return [base + (context + i * decodes) * per_context for i in range(steps)]
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         return self.seconds(prompt_tokens, prompt_tokens * (prompt_tokens + 1) // 2, 0, 0)
@@ -145,6 +162,8 @@ class Profile:
             raise ValueError(f"not a minipd profile (format {FORMAT})")
         if not isinstance(d.get("links"), dict):
             raise ValueError("a profile needs a 'links' object")
+        if isinstance(d.get("step"), dict):
+            d = {**d, "step": _bends_from_knee(d["step"])}
         for where, part in (("step", StepCost), ("worker", WorkerShape), ("host", Host)):
             _check_fields(where, d.get(where), part)
         for name, link in d["links"].items():
@@ -162,10 +181,16 @@ class Profile:
                     or value < low or (strict and value <= low):  # fmt: skip
                 raise ValueError(f"{where} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
 
-        for name in (*TERMS, "gap", "co_runner", "decode_knee"):
+        for name in (*TERMS, "gap", "co_runner"):
             number(f"step.{name}", getattr(self.step, name))
-        if self.step.decode_knee != int(self.step.decode_knee):
-            raise ValueError(f"step.decode_knee must be a whole number of decodes, got {self.step.decode_knee!r}")
+        bends = self.step.decode_bends
+        if not isinstance(bends, list) or not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in bends):
+            raise ValueError(f"step.decode_bends must be a list of [batch, seconds per decode], got {bends!r}")
+        for i, (batch, rate) in enumerate(bends):
+            number(f"step.decode_bends[{i}] batch", batch, 1)
+            number(f"step.decode_bends[{i}] rate", rate)
+            if batch != int(batch) or (i and batch <= bends[i - 1][0]):
+                raise ValueError(f"step.decode_bends' batches must be whole numbers of decodes, rising; got {batch!r}")
         for q in self.step.noise:
             number("step.noise", q, strict=True)
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -190,6 +215,20 @@ class Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def _bends_from_knee(step: dict) -> dict:
+    """A profile written before the bends had one knee: decodes past `decode_knee` cost
+    `per_decode_past_knee` more each."""
+    if "decode_knee" not in step and "per_decode_past_knee" not in step:
+        return step
+    step = dict(step)
+    knee, extra = step.pop("decode_knee", 0), step.pop("per_decode_past_knee", 0.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (knee, extra, step.get("per_decode", 0.0))):
+        return {**step, "decode_knee": knee, "per_decode_past_knee": extra}  # refused by the checks, in words
+    if knee and extra:
+        step["decode_bends"] = [[knee, step.get("per_decode", 0.0) + extra]]
+    return step
+
+
 def _check_fields(where: str, section, part) -> None:
     """ValueError unless `section` is an object with only `part`'s fields and every one it needs."""
     if not isinstance(section, dict):
@@ -212,19 +251,12 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     keep = ys > 0
     steps, ys, busy = [s for s, k in zip(steps, keep) if k], ys[keep], busy[keep]
     alone = busy < 0.1
-    if alone.sum() < len(TERMS):
+    bends = bends_to_fit([s["decodes"] for s, a in zip(steps, alone) if a])
+    if alone.sum() < len(TERMS) + len(bends):
         raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS)} terms")
-    shared_terms = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"])
-                             for s in steps])  # fmt: skip
-    decodes = shared_terms[:, TERMS.index("per_decode")]
-    best = None
-    for knee in knees_to_try([s["decodes"] for s, a in zip(steps, alone) if a]):
-        xs = np.column_stack([shared_terms, np.maximum(0.0, decodes - knee) if knee else np.zeros(len(steps))])
-        coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
-        residual = float(np.sum((xs[alone] @ coef / ys[alone] - 1) ** 2))
-        if best is None or residual < best[0] * (1 - 1e-9) - 1e-15:
-            best = residual, knee, xs, coef
-    _, knee, xs, coef = best
+    xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"], bends)
+                   for s in steps])  # fmt: skip
+    coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
     base = xs @ coef
     co_runner = 0.0
     shared = ~alone & (base > 0)
@@ -236,19 +268,39 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     quality = {"steps": int(len(ys)), "alone": int(alone.sum()), "median_abs_rel_error": float(np.median(rel)),
                "p90_abs_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
     noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
-    cost = StepCost(**dict(zip(TERMS, map(float, coef))), noise=noise, co_runner=co_runner, decode_knee=knee)
-    if cost.per_decode_past_knee == 0.0:
-        cost.decode_knee = 0
+    rates = [float(c) for c in coef[len(TERMS):]]
+    cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), noise=noise, co_runner=co_runner,
+                    decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates))  # fmt: skip
     return cost, quality
 
 
-def knees_to_try(decodes: list[int]) -> list[int]:
-    """0 (no knee), then the decode batch sizes measured that have larger ones beyond them: at most
-    MAX_KNEES_TRIED of them, spread over their range."""
-    sizes = sorted({d for d in decodes if d > 0})[:-1]
-    if len(sizes) > MAX_KNEES_TRIED:
-        sizes = [sizes[round(i * (len(sizes) - 1) / (MAX_KNEES_TRIED - 1))] for i in range(MAX_KNEES_TRIED)]
-    return [0, *sizes]
+def bends_to_fit(decodes: list[int]) -> list[int]:
+    """Where the decode term may bend: batch sizes measured (in at least BEND_MIN_STEPS steps), each
+    at least BEND_SPACING times the one before and with sizes that far beyond it measured too (a
+    stretch needs steps along it to be measured); at most MAX_BENDS, spread over the range."""
+    counts: dict[int, int] = {}
+    for d in decodes:
+        if d > 0:
+            counts[d] = counts.get(d, 0) + 1
+    sizes = sorted(d for d, n in counts.items() if n >= BEND_MIN_STEPS)
+    bends, last = [], sizes[0] if sizes else 0
+    for d in sizes[1:-1]:
+        if d >= BEND_SPACING * last and sizes[-1] >= BEND_SPACING * d:
+            bends.append(d)
+            last = d
+    if len(bends) > MAX_BENDS:
+        bends = [bends[round(i * (len(bends) - 1) / (MAX_BENDS - 1))] for i in range(MAX_BENDS)]
+    return bends
+
+
+def _merge_bends(first: float, bends: list[int], rates: list[float]) -> list[list[float]]:
+    """[[batch, rate], ...] without the bends where the rate does not change (beyond rounding)."""
+    out, rate = [], first
+    for batch, r in zip(bends, rates):
+        if not math.isclose(r, rate, rel_tol=1e-6, abs_tol=1e-12):
+            out.append([batch, r])
+            rate = r
+    return out
 
 
 def co_busy(steps: list[dict]) -> None:
@@ -303,7 +355,8 @@ def draw(qs: list[float], u: float) -> float:
 
 
 def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min |a x - b| with x >= 0, exactly, by trying every set of free terms (there are seven)."""
+    """min |a x - b| with x >= 0, exactly, by trying every set of free terms, fewest first: where
+    terms stand in for each other (a decode's context grows with the batch), the fit with fewer wins."""
     best, best_res = np.zeros(a.shape[1]), float(np.sum(b * b))
     for k in range(1, a.shape[1] + 1):
         for cols in itertools.combinations(range(a.shape[1]), k):
