@@ -328,6 +328,35 @@ def test_co_runner_slowdown_is_measured_from_overlapping_steps():
     assert got.co_runner == pytest.approx(0.25) and got.per_decode == pytest.approx(2e-3)
 
 
+def test_a_prompt_and_a_decode_are_slowed_apart_by_a_worker_stepping_beside_them():
+    """Defect (found on the AVX-512 machine): a prompt, bound by arithmetic, was slowed 3-5% by the
+    other worker stepping, a decode step, bound by memory, 12-15%; one co-runner factor for both
+    (0.21) made the simulated prompts of summarize 12% slow, and their queues grew where the real
+    ones did not. The prompt's share of a step has a slowdown of its own."""
+    from minipd.sim.profile import co_busy
+
+    truth = StepCost(0.01, 1e-3, 0.0, 2e-3, 0.0)
+    steps, t = [], 0.0
+    for i in range(60):  # worker 0 alone, then both at once: the prompt tokens' time 4% slower, the rest 25%
+        p, d = (100 + 50 * (i % 4), 0) if i % 3 == 0 else (0, 4 + i % 5)
+        prompt_part = 1e-3 * p
+        rest = truth.seconds(p, 0, d, 0) - prompt_part
+        for w in ((0,) if i < 30 else (0, 1)):
+            took = rest + prompt_part if i < 30 else rest * 1.25 + prompt_part * 1.04
+            steps.append({"worker": w, "time": t, "end": t + took, "prefill_tokens": p, "prefill_attention": 0,
+                          "decodes": d, "decode_context": 0})  # fmt: skip
+        t += 1.0
+    co_busy(steps)
+    got, quality = fit_steps(steps)
+    assert got.per_prefill_token == pytest.approx(1e-3) and got.per_decode == pytest.approx(2e-3)
+    assert got.co_runner_prompt == pytest.approx(0.04) and got.co_runner == pytest.approx(0.25)
+    assert quality["p90_abs_rel_error"] < 1e-9
+    prompt, busy = 150, 1.0
+    alone = got.seconds(prompt, 0, 0, 0)
+    assert got.co_run_seconds(prompt, 0, 0, 0, busy) == pytest.approx(0.01 * 1.25 + 0.15 * 1.04)
+    assert got.co_run_seconds(prompt, 0, 0, 0, 0.0) == alone
+
+
 def test_profile_and_plan_refuse_what_they_cannot_read(tmp_path, capsys):
     from minipd.bench.plan_main import run as plan_run
     from minipd.sim.profile_main import run as profile_run

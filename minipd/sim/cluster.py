@@ -151,9 +151,8 @@ class SimWorker:
                 self.stepping = False
                 return
             s = batch.shape()
-            seconds = step.seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context)
-            if step.co_runner and len(self.box) > 1:
-                seconds *= 1 + step.co_runner * sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1)
+            busy = sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1) if len(self.box) > 1 else 0.0
+            seconds = step.co_run_seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context, busy)
             if step.noise:
                 seconds *= draw(step.noise, self.rng.random())
             started, end = sim.now, sim.now + seconds
@@ -249,7 +248,7 @@ class SimWorker:
     def runs(self) -> bool:
         sim = self.sim
         return (sim.options.decode_runs and sim.events is None
-                and not (sim.profile.step.co_runner and len(self.box) > 1))  # box mates read each step's in_step  # fmt: skip
+                and not (sim.profile.step.slowed_by_co_runners() and len(self.box) > 1))  # box mates read each step's in_step  # fmt: skip
 
     def _redraw(self, last: int) -> None:
         """The random draws of a run's steps up to `last` after its first step's noise, in the per-step order."""

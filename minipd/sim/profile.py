@@ -57,6 +57,8 @@ class StepCost:
     gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
     noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
     co_runner: float = 0.0  # a step is (1 + co_runner x b) slower, b the share of the box's other workers stepping
+    # the same for the step's prompt tokens (bound by arithmetic, where decodes are bound by memory); None: co_runner
+    co_runner_prompt: float | None = None
     # [[batch, rate], ...], batches rising: each decode past `batch` in a step costs `rate` (not per_decode)
     decode_bends: list[list[float]] = field(default_factory=list)
 
@@ -64,6 +66,23 @@ class StepCost:
         return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
                 + self.decodes_seconds(decodes) + decode_context * self.per_decode_context
                 + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
+
+    def co_run_seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int,
+                       busy: float) -> float:  # fmt: skip
+        """seconds(), with a share `busy` of the box's other workers stepping meanwhile."""
+        alone = self.seconds(prefill_tokens, prefill_attention, decodes, decode_context)
+        if not busy:
+            return alone
+        prompt = prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
+        co_prompt = self.co_runner if self.co_runner_prompt is None else self.co_runner_prompt
+        return (alone - prompt) * (1 + self.co_runner * busy) + prompt * (1 + co_prompt * busy)
+
+    def co_prompt_text(self) -> str:
+        """'; prompt tokens 0.04 x', or '' where they are slowed as the rest."""
+        return "" if self.co_runner_prompt is None else f"; prompt tokens {self.co_runner_prompt:.2f} x"
+
+    def slowed_by_co_runners(self) -> bool:
+        return bool(self.co_runner or self.co_runner_prompt)
 
     def decodes_seconds(self, decodes: int) -> float:
         """What the step's `decodes` cost on their own (not their context): per_decode each up to the
@@ -183,6 +202,8 @@ class Profile:
 
         for name in (*TERMS, "gap", "co_runner"):
             number(f"step.{name}", getattr(self.step, name))
+        if self.step.co_runner_prompt is not None:
+            number("step.co_runner_prompt", self.step.co_runner_prompt)
         bends = self.step.decode_bends
         if not isinstance(bends, list) or not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in bends):
             raise ValueError(f"step.decode_bends must be a list of [batch, seconds per decode], got {bends!r}")
@@ -258,19 +279,25 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
                    for s in steps])  # fmt: skip
     coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
     base = xs @ coef
-    co_runner = 0.0
+    prompt = xs[:, 1] * coef[1] + xs[:, 2] * coef[2]  # the prompt tokens' share of each step
+    co_runner, co_prompt = 0.0, None
     shared = ~alone & (base > 0)
-    if shared.sum() >= 5:  # least squares of y / base - 1 = k * busy
+    if shared.sum() >= 5:  # least squares of y / base - 1 = (k * rest + k_prompt * prompt) / base * busy
         b, r = busy[shared], ys[shared] / base[shared] - 1
-        co_runner = max(0.0, float(np.sum(b * r) / np.sum(b * b)))
-    predicted = base * (1 + co_runner * busy)
+        rest_share, prompt_share = b * (base - prompt)[shared] / base[shared], b * prompt[shared] / base[shared]
+        if np.count_nonzero(prompt_share) >= 3 and np.count_nonzero(rest_share) >= 3:
+            co_runner, co_prompt = map(float, nonnegative_lstsq(np.column_stack([rest_share, prompt_share]), r))
+        else:
+            co_runner = max(0.0, float(np.sum(b * r) / np.sum(b * b)))
+    rates = [float(c) for c in coef[len(TERMS):]]
+    cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), co_runner=co_runner, co_runner_prompt=co_prompt,
+                    decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates))  # fmt: skip
+    predicted = np.array([cost.co_run_seconds(s["prefill_tokens"], s["prefill_attention"], s["decodes"],
+                                              s["decode_context"], u) for s, u in zip(steps, busy)])  # fmt: skip
     rel = np.abs(predicted - ys) / ys
     quality = {"steps": int(len(ys)), "alone": int(alone.sum()), "median_abs_rel_error": float(np.median(rel)),
                "p90_abs_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
-    noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
-    rates = [float(c) for c in coef[len(TERMS):]]
-    cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), noise=noise, co_runner=co_runner,
-                    decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates))  # fmt: skip
+    cost.noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
     return cost, quality
 
 
