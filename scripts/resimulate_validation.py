@@ -29,7 +29,8 @@ from minipd.sim.validate import FIGURES, compare
 DURATIONS = {"chat-1": 60, "summarize-0.15": 120, "summarize-0.3": 120, "generate-1.2": 80,
              "generate-1.2-2026-12-04": 80, "generate-2-3-avx512-2026-12-04-first": 60,
              "generate-2-3-avx512-2026-12-04": 60, "chat-2-avx512-2026-12-04": 60,
-             "summarize-0.4-avx512-2026-12-04": 120}  # the runs' --duration
+             "summarize-0.4-avx512-2026-12-04": 120, "mixed-1.5-avx512-2026-12-04": 60,
+             "summarize-0.25-avx512-2026-12-04": 120}  # the runs' --duration
 METRICS = ("TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "ITL p50", "ITL p90", "throughput (out tok/s)")
 REFIT_NOTE = ", the step model fitted again on each profile's steps"
 GRADED = (*METRICS, "throughput (req/s)")  # the eight figures graded (the table shows out tok/s for both)
