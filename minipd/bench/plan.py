@@ -16,9 +16,9 @@ batch at which decode turns compute-bound (c0 / c1 here) and load the decode bat
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
-import math
 from dataclasses import asdict, dataclass, field
 
 from minipd.bench.client import run_load
