@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import pytest
@@ -181,3 +182,43 @@ async def test_cancellation_returns_partial_records():
     assert slow.error == "cancelled"
     assert 3 <= len(slow.token_times) < 100 and slow.output_tokens == len(slow.token_times)
     assert slow.end_time is not None
+
+
+def test_ctrl_c_during_a_run_ends_the_bench_with_what_the_run_measured():
+    """Defect: Ctrl-C during a bench cancelled the run under way, whose requests in flight were
+    recorded as failed, and the bench went on to the next mode or rate (one Ctrl-C per run left):
+    run_load returns its records when cancelled, so asyncio.run saw the run end normally and never
+    raised KeyboardInterrupt. A Ctrl-C must end the bench, with the run marked interrupted."""
+    import os
+    import signal
+    import threading
+
+    from minipd.bench import experiment as ex
+    from minipd.bench.target import Target
+
+    standin, ready, box = StandIn(), threading.Event(), {}
+    loop = asyncio.new_event_loop()
+
+    def serve_in_thread() -> None:
+        box["runner"], box["url"] = loop.run_until_complete(serve(standin))
+        ready.set()
+        loop.run_forever()
+
+    threading.Thread(target=serve_in_thread, daemon=True).start()
+    assert ready.wait(10)
+    s = ex.Settings(num_prompts=3, duration=None, burstiness=1.0, seed=0, quick=True, input_len=10, output_len=100,
+                    max_concurrency=None, slo_ttft_ms=None, slo_tpot_ms=None, progress=False)  # fmt: skip
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # each reply takes ~2 s
+    try:
+        timer.start()
+        t0 = time.time()
+        with pytest.raises(ex.Interrupted) as stopped:
+            ex.run_once(Target(box["url"], "m"), "fixed", "stand-in", {}, math.inf, s)
+        assert time.time() - t0 < 5
+    finally:
+        timer.cancel()
+        asyncio.run_coroutine_threadsafe(box["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+    run = stopped.value.run
+    assert run["interrupted"] and len(run["records"]) == 3
+    assert all(r.error == "cancelled" and 0 < r.output_tokens < 100 for r in run["records"])

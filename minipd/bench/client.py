@@ -11,13 +11,61 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 from tqdm import tqdm
 
 from minipd.bench.metrics import RequestRecord
 from minipd.bench.workloads import BenchRequest, prompt_token_ids
+
+T = TypeVar("T")
+
+
+def run_interruptible(main: Callable[[], Awaitable[T]]) -> tuple[T | None, bool]:
+    """asyncio.run(main()), where Ctrl-C cancels `main` and is reported: (what it returned, None if it
+    ended cancelled; whether Ctrl-C came). asyncio.run alone turns Ctrl-C into KeyboardInterrupt only
+    when its task ends cancelled, and run_load, cancelled, returns what it measured."""
+    interrupted = False
+
+    async def wrapper() -> T | None:
+        nonlocal interrupted
+        task = asyncio.ensure_future(main())
+        loop = asyncio.get_running_loop()
+
+        def on_sigint() -> None:
+            nonlocal interrupted
+            interrupted = True
+            task.cancel()
+
+        try:
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
+            installed = True
+        except (NotImplementedError, RuntimeError, ValueError):  # no signals here (Windows, not the main thread)
+            installed = False
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if not interrupted:
+                raise
+            return None
+        finally:
+            if installed:
+                loop.remove_signal_handler(signal.SIGINT)
+
+    result = asyncio.run(wrapper())
+    return result, interrupted
+
+
+def load_or_interrupt(url: str, model: str, requests: list[BenchRequest], **kwargs) -> list[RequestRecord]:
+    """run_load in a loop of its own; Ctrl-C raises KeyboardInterrupt once the requests in flight are cancelled."""
+    records, interrupted = run_interruptible(lambda: run_load(url, model, requests, **kwargs))
+    if interrupted:
+        raise KeyboardInterrupt
+    return records
 
 
 def completions_url(url: str, endpoint: str = "completions") -> str:

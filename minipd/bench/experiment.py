@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from minipd.bench import phases as ph
-from minipd.bench.client import run_load
+from minipd.bench.client import load_or_interrupt, run_interruptible, run_load
 from minipd.bench.metrics import RequestRecord, distserve_goodput, per_worker, summarize
 from minipd.bench.switching import analyse, switch_on_schedule
 from minipd.bench.target import Target
@@ -126,10 +126,9 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
                 stop.set()  # no switch after the load; one under way is waited for
                 await asyncio.gather(switcher, return_exceptions=True)
 
-    interrupted = False
     try:
-        asyncio.run(play())
-    except KeyboardInterrupt:
+        _, interrupted = run_interruptible(play)
+    except KeyboardInterrupt:  # a second Ctrl-C while the run was winding down
         interrupted = True
     records = got.get("records", [])
     duration = max((r.end_time or r.send_time) for r in records) - started if records else 0.0
@@ -228,8 +227,8 @@ def admission_probe(target: Target, s: Settings, body: dict, burst: int = 32) ->
     target.set_mode(body)
     before = target.get("/admin/workers")[1]["seats"]
     requests = [BenchRequest(i, 64, 16, 0.0) for i in range(burst)]
-    records = asyncio.run(run_load(target.url, target.model, requests, api_key=target.api_key, seed=s.seed,
-                                   progress=False))  # fmt: skip
+    records = load_or_interrupt(target.url, target.model, requests, api_key=target.api_key, seed=s.seed,
+                                progress=False)  # fmt: skip
     after = target.get("/admin/workers")[1]["seats"]
     waits = _seat_waits(records)
     steps = [r.tpot for r in records if r.tpot]

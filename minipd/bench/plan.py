@@ -15,13 +15,12 @@ batch at which decode turns compute-bound (c0 / c1 here) and load the decode bat
 
 from __future__ import annotations
 
-import asyncio
 import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from minipd.bench.client import run_load
+from minipd.bench.client import load_or_interrupt
 from minipd.bench.target import Target
 from minipd.bench.workloads import BenchRequest
 
@@ -103,7 +102,7 @@ def _steps_since(target: Target, since: float) -> list[dict]:
 
 
 def _load(target: Target, requests: list[BenchRequest], seed: int):
-    return asyncio.run(run_load(target.url, target.model, requests, api_key=target.api_key, seed=seed, progress=False))
+    return load_or_interrupt(target.url, target.model, requests, api_key=target.api_key, seed=seed, progress=False)
 
 
 def profile(target: Target, quick: bool = False, seed: int = 1) -> Profile:

@@ -5,13 +5,12 @@ read back from GET /admin/events. Nothing here is fitted to the runs a simulatio
 
 from __future__ import annotations
 
-import asyncio
 import platform
 import statistics
 import time
 from collections import defaultdict
 
-from minipd.bench.client import run_load
+from minipd.bench.client import load_or_interrupt
 from minipd.bench.metrics import RequestRecord
 from minipd.bench.plan import _steps_since
 from minipd.bench.target import Target
@@ -20,8 +19,8 @@ from minipd.sim.profile import Host, Profile, WorkerShape, co_busy, fit_link, fi
 
 
 def _load(target: Target, requests: list[BenchRequest], seed: int, concurrency: int | None = None):
-    return asyncio.run(run_load(target.url, target.model, requests, api_key=target.api_key, seed=seed,
-                                progress=False, max_concurrency=concurrency))  # fmt: skip
+    return load_or_interrupt(target.url, target.model, requests, api_key=target.api_key, seed=seed, progress=False,
+                             max_concurrency=concurrency)  # fmt: skip
 
 
 def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> Profile:
