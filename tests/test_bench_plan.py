@@ -77,6 +77,15 @@ def test_decode_batch_past_a_bend_where_decodes_cost_less_lands_on_the_flatter_l
     assert tpot == pytest.approx(0.02 + 2 * 0.002 + 2 * 0.005 + 0.0005 * (batch - 4) + ctx * batch)
 
 
+def test_the_compute_bound_batch_follows_the_bends():
+    """B* (the batch whose sequences cost as much as the step's fixed part) read only the first
+    slope: on a CPU whose decodes cost less each past 2, it came out far too small."""
+    assert _profile(decode_fixed_s=0.02, decode_per_seq_s=0.005).compute_bound_batch == pytest.approx(4)
+    bent = _profile(decode_fixed_s=0.02, decode_per_seq_s=0.005, decode_bends=[[2, 0.0005]])
+    assert bent.compute_bound_batch == pytest.approx(22)  # 2 x 5 ms, then 20 x 0.5 ms
+    assert _profile(decode_fixed_s=0.02, decode_per_seq_s=0.005, decode_bends=[[2, 0.0]]).compute_bound_batch == math.inf
+
+
 def test_recommend_gives_prompt_heavy_traffic_more_prefill_workers():
     p = _profile()
     heavy_prompts = recommend(p, Traffic(rate=3.0, prompt_tokens=300, output_tokens=8), 4, 5.0, 0.03)

@@ -357,6 +357,28 @@ def test_a_prompt_and_a_decode_are_slowed_apart_by_a_worker_stepping_beside_them
     assert got.co_run_seconds(prompt, 0, 0, 0, 0.0) == alone
 
 
+def test_one_co_runner_factor_where_only_prompts_ran_beside_another():
+    """Where only prompts of one length ran beside another worker, the two factors cannot be told
+    apart (a review found decode steps slowed 20x by such a fit): one factor is fitted, for both."""
+    from minipd.sim.profile import co_busy
+
+    truth = StepCost(0.01, 1e-3, 0.0, 2e-3, 0.0)
+    steps, t = [], 0.0
+    for i in range(40):
+        p, d = (100 + 50 * (i % 4), 0) if i % 2 == 0 else (0, 4 + i % 5)
+        steps.append({"worker": 0, "time": t, "end": t + truth.seconds(p, 0, d, 0), "prefill_tokens": p,
+                      "prefill_attention": 0, "decodes": d, "decode_context": 0})  # fmt: skip
+        t += 1.0
+    for i in range(6):  # both workers read a 200-token prompt at once, 10% slower
+        for w in (0, 1):
+            steps.append({"worker": w, "time": t, "end": t + truth.seconds(200, 0, 0, 0) * 1.1, "prefill_tokens": 200,
+                          "prefill_attention": 0, "decodes": 0, "decode_context": 0})  # fmt: skip
+        t += 1.0
+    co_busy(steps)
+    got, _ = fit_steps(steps)
+    assert got.co_runner_prompt is None and got.co_runner == pytest.approx(0.1)
+
+
 def test_profile_and_plan_refuse_what_they_cannot_read(tmp_path, capsys):
     from minipd.bench.plan_main import run as plan_run
     from minipd.sim.profile_main import run as profile_run

@@ -36,18 +36,21 @@ def run_interruptible(main: Callable[[], Awaitable[T]]) -> tuple[T | None, bool]
         task = asyncio.ensure_future(main())
         loop = asyncio.get_running_loop()
 
-        def on_sigint() -> None:
-            nonlocal interrupted
-            interrupted = True
+        installed = False
+
+        def on_sigint() -> None:  # once: a second Ctrl-C, while the load winds down, raises KeyboardInterrupt
+            nonlocal interrupted, installed
+            interrupted, installed = True, False
+            loop.remove_signal_handler(signal.SIGINT)
             task.cancel()
 
         try:
             loop.add_signal_handler(signal.SIGINT, on_sigint)
             installed = True
         except (NotImplementedError, RuntimeError, ValueError):  # no signals here (Windows, not the main thread)
-            installed = False
+            pass
         try:
-            return await task
+            result = await task
         except asyncio.CancelledError:
             if not interrupted:
                 raise
@@ -55,6 +58,10 @@ def run_interruptible(main: Callable[[], Awaitable[T]]) -> tuple[T | None, bool]
         finally:
             if installed:
                 loop.remove_signal_handler(signal.SIGINT)
+        cancelling = getattr(asyncio.current_task(), "cancelling", None)  # Python 3.11+
+        if cancelling is not None and cancelling():  # asyncio.run's own Ctrl-C, where ours was not installed
+            interrupted = True
+        return result
 
     result = asyncio.run(wrapper())
     return result, interrupted
@@ -148,10 +155,9 @@ async def run_load(
     `max_concurrency` caps the requests in flight (a request waits for a slot before it is sent, as in
     vLLM). `timeout` bounds each request. Prompts are `prompt_token_ids(req, seed, vocab_size)`.
 
-    When cancelled (Ctrl-C under asyncio.run cancels the main task), the requests in flight are cancelled
-    and marked with error "cancelled", and the records so far are returned instead of raising; requests
-    not yet sent have no record. asyncio.run still raises KeyboardInterrupt after the main coroutine
-    ends, so write the results before returning from it.
+    When cancelled, the requests in flight are cancelled and marked with error "cancelled", and the
+    records so far are returned instead of raising; requests not yet sent have no record. Under plain
+    asyncio.run a Ctrl-C then looks like a load that ended: run it under run_interruptible.
     """
     target = completions_url(url, endpoint)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -41,7 +41,15 @@ class Profile:
 
     @property
     def compute_bound_batch(self) -> float:
-        return self.decode_fixed_s / self.decode_per_seq_s if self.decode_per_seq_s > 0 else float("inf")
+        """B*: the batch whose sequences cost as much as the step's fixed part (along the bends)."""
+        start, cost, rate = 0.0, 0.0, self.decode_per_seq_s
+        for end, next_rate in [*self.decode_bends, [math.inf, None]]:
+            if rate > 0 and cost + rate * (end - start) >= self.decode_fixed_s:
+                return start + (self.decode_fixed_s - cost) / rate
+            if next_rate is None:
+                break
+            cost, start, rate = cost + rate * (end - start), end, next_rate
+        return math.inf
 
     def as_dict(self) -> dict:
         return asdict(self) | {"compute_bound_batch": self.compute_bound_batch}

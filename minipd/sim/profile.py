@@ -274,7 +274,7 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     alone = busy < 0.1
     bends = bends_to_fit([s["decodes"] for s, a in zip(steps, alone) if a])
     if alone.sum() < len(TERMS) + len(bends):
-        raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS)} terms")
+        raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS) + len(bends)} terms")
     xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"], bends)
                    for s in steps])  # fmt: skip
     coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
@@ -285,7 +285,8 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     if shared.sum() >= 5:  # least squares of y / base - 1 = (k * rest + k_prompt * prompt) / base * busy
         b, r = busy[shared], ys[shared] / base[shared] - 1
         rest_share, prompt_share = b * (base - prompt)[shared] / base[shared], b * prompt[shared] / base[shared]
-        if np.count_nonzero(prompt_share) >= 3 and np.count_nonzero(rest_share) >= 3:
+        mostly_prompt = prompt[shared] > 0.5 * base[shared]
+        if mostly_prompt.sum() >= 3 and (~mostly_prompt).sum() >= 3:  # each factor seen on steps of its own kind
             co_runner, co_prompt = map(float, nonnegative_lstsq(np.column_stack([rest_share, prompt_share]), r))
         else:
             co_runner = max(0.0, float(np.sum(b * r) / np.sum(b * b)))
