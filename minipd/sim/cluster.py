@@ -151,7 +151,9 @@ class SimWorker:
                 self.stepping = False
                 return
             s = batch.shape()
-            busy = sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1) if len(self.box) > 1 else 0.0
+            busy = 0.0
+            if len(self.box) > 1 and step.slowed_by_co_runners():
+                busy = sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1)
             seconds = step.co_run_seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context, busy)
             if step.noise:
                 seconds *= draw(step.noise, self.rng.random())

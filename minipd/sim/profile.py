@@ -22,6 +22,7 @@ import bisect
 import itertools
 import json
 import math
+from collections import Counter
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -279,7 +280,8 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
                    for s in steps])  # fmt: skip
     coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
     base = xs @ coef
-    prompt = xs[:, 1] * coef[1] + xs[:, 2] * coef[2]  # the prompt tokens' share of each step
+    prompt_terms = [TERMS.index("per_prefill_token"), TERMS.index("per_attention_pair")]
+    prompt = xs[:, prompt_terms] @ coef[prompt_terms]  # the prompt tokens' share of each step
     co_runner, co_prompt = 0.0, None
     shared = ~alone & (base > 0)
     if shared.sum() >= 5:  # least squares of y / base - 1 = (k * rest + k_prompt * prompt) / base * busy
@@ -306,11 +308,7 @@ def bends_to_fit(decodes: list[int]) -> list[int]:
     """Where the decode term may bend: batch sizes measured (in at least BEND_MIN_STEPS steps), each
     at least BEND_SPACING times the one before and with sizes that far beyond it measured too (a
     stretch needs steps along it to be measured); at most MAX_BENDS, spread over the range."""
-    counts: dict[int, int] = {}
-    for d in decodes:
-        if d > 0:
-            counts[d] = counts.get(d, 0) + 1
-    sizes = sorted(d for d, n in counts.items() if n >= BEND_MIN_STEPS)
+    sizes = sorted(d for d, n in Counter(decodes).items() if d > 0 and n >= BEND_MIN_STEPS)
     bends, last = [], sizes[0] if sizes else 0
     for d in sizes[1:-1]:
         if d >= BEND_SPACING * last and sizes[-1] >= BEND_SPACING * d:
