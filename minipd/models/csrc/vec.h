@@ -52,7 +52,10 @@ inline Vec round(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEARES
 inline Vec scale2(Vec p, Vec n) { return {_mm512_scalef_ps(p.v, n.v)}; }  // p * 2^n, n whole
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
-inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+// volatile asm: GCC 12 drops a loop whose body is only _mm_prefetch calls as if it did nothing.
+// prefetch_l2: into the core's L2 only, for lines wanted a while later.
+inline void prefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 struct Vec {
@@ -97,7 +100,8 @@ inline float reduce_max(Vec a) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
 
 #elif defined(__ARM_NEON) && defined(__aarch64__)
 struct Vec {
@@ -129,7 +133,8 @@ inline Vec scale2(Vec p, Vec n) {
 }
 inline float reduce_add(Vec a) { return vaddvq_f32(a.v); }
 inline float reduce_max(Vec a) { return vmaxvq_f32(a.v); }
-inline void prefetch(const void* p) { __builtin_prefetch(p); }
+inline void prefetch(const void* p) { asm volatile("prfm pldl1keep, %0" : : "Q"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prfm pldl2keep, %0" : : "Q"(*static_cast<const char*>(p))); }
 
 #else
 struct Vec {
@@ -155,6 +160,43 @@ inline Vec scale2(Vec p, Vec n) { return {std::ldexp(p.v, static_cast<int>(n.v))
 inline float reduce_add(Vec a) { return a.v; }
 inline float reduce_max(Vec a) { return a.v; }
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+#endif
+
+// The lane sums of L vectors at once: lane i of the result is reduce_add(v[i]). A tree of
+// shuffles and adds, about 3 operations per vector where L separate reductions take 2 log2(L).
+#if defined(__AVX512F__)
+inline Vec lane_sums(const Vec (&v)[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // within 128-bit lanes: even lanes of v[2i], odd of v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: v[4i..4i+3], partial
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                        _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline Vec lane_sums(const Vec (&v)[8]) {
+  __m256 a[4], b[2];
+  for (int i = 0; i < 4; ++i)
+    a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm256_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d x = _mm256_castps_pd(a[2 * i]), y = _mm256_castps_pd(a[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return {_mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31))};
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+inline Vec lane_sums(const Vec (&v)[4]) {
+  return {vpaddq_f32(vpaddq_f32(v[0].v, v[1].v), vpaddq_f32(v[2].v, v[3].v))};
+}
+#else
+inline Vec lane_sums(const Vec (&v)[1]) { return v[0]; }
 #endif
 
 // bfloat16, held as its bits (uint16_t): a float32's high half. Loads widen exactly; a store rounds
