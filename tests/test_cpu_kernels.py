@@ -45,6 +45,22 @@ def test_paged_attention_equals_gathering_each_context(dtype, tol, d, hq):
     assert (got.float() - want).abs().max() < tol
 
 
+@pytest.mark.parametrize("bs", [1, 8, 32])  # blocks smaller or larger than the lanes the kernel takes at once
+def test_paged_attention_with_any_block_size(bs):
+    torch.manual_seed(bs)
+    lens, hkv, hq, d = [1, 5, 33, 250], 3, 9, 64
+    blocks = sum(-(-n // bs) for n in lens) + 7
+    k_cache, v_cache = torch.randn(blocks * bs, hkv, d), torch.randn(blocks * bs, hkv, d)
+    tables, perm, used = torch.zeros(len(lens), -(-max(lens) // bs), dtype=torch.long), torch.randperm(blocks), 0
+    for i, n in enumerate(lens):
+        tables[i, : -(-n // bs)] = perm[used : used + -(-n // bs)]
+        used += -(-n // bs)
+    q = torch.randn(len(lens), hq, d)
+    got = torch.ops.minipd.paged_attention(q, k_cache, v_cache, tables, torch.arange(len(lens)),
+                                           torch.tensor(lens) - 1, bs, 1 / math.sqrt(d))  # fmt: skip
+    torch.testing.assert_close(got, reference_attention(q, k_cache, v_cache, tables, lens, bs), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_paged_attention_in_bfloat16_is_float32_over_the_same_values_rounded_to_nearest_even(d):
     torch.manual_seed(d)
