@@ -61,6 +61,26 @@ def test_paged_attention_with_any_block_size(bs):
     torch.testing.assert_close(got, reference_attention(q, k_cache, v_cache, tables, lens, bs), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_paged_attention_one_thread_reuses_its_buffers_over_tokens_of_any_length(dtype, tol):
+    # one thread takes every token in turn (a long context, then shorter ones, a sequence twice);
+    # head_dim 128, one query head per kv head, blocks of 8
+    torch.manual_seed(1)
+    bs, hkv, hq, d, lens, seq = 8, 2, 2, 128, [250, 33, 5, 1, 47], [0, 1, 2, 3, 0]
+    k_cache, v_cache = torch.randn(200 * bs, hkv, d, dtype=dtype), torch.randn(200 * bs, hkv, d, dtype=dtype)
+    tables = torch.randperm(200)[: 4 * 32].view(4, 32)[seq]
+    q = torch.randn(len(lens), hq, d, dtype=dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got = torch.ops.minipd.paged_attention(q, k_cache, v_cache, tables, torch.arange(len(lens)),
+                                               torch.tensor(lens) - 1, bs, d**-0.5)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, bs)
+    assert (got.float() - want).abs().max() < tol
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_paged_attention_in_bfloat16_is_float32_over_the_same_values_rounded_to_nearest_even(d):
     torch.manual_seed(d)
