@@ -91,10 +91,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 
 // The vector path over vec.h, float32 or bfloat16 (E: q, caches and output; float32 sums), head_dim
 // D a multiple of the lanes L. Positions go L at a time, each found through the block table once
-// (its slot: every kv head of one position), with the next L asked for meanwhile. Keys: each query
-// head, held in registers, meets the L keys, and the L dot products are summed across lanes
-// together (lane_sums); then the softmax; then the values, added into D / L accumulators per query
-// head.
+// (its slot: every kv head of one position), with the lines of two groups ahead asked for meanwhile
+// (ask_for). Keys: each query head, held in registers, meets the L keys, and the L dot products are
+// summed across lanes together (lane_sums); then the softmax; then the values, added into D / L
+// accumulators per query head.
 template <int D, typename E>
 void run_vec(const E* qp, const E* kp, const E* vp, const int64_t* bt, const int64_t* seq, const int64_t* pos,
              int64_t T, int64_t Hq, int64_t Hkv, int64_t W, int64_t bs, float scale, E* op) {
