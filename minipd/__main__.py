@@ -23,8 +23,9 @@ def add_engine_args(p) -> None:
         "with HF (default: off)",
     )
     p.add_argument("--prepack", default=True, action=argparse.BooleanOptionalAction,
-                   help="cpu, float32: also keep the layers' weights in oneDNN's blocked layout (5-14%% faster "
-                        "prefill, a second copy of those weights in memory)")
+                   help="cpu, float32: also keep the layers' weights in a faster layout, a second copy in memory "
+                        "(AVX-512: minipd's column blocks for every product, the LM head too; elsewhere: oneDNN's "
+                        "blocked layout, 5-14%% faster prefill)")
 
 
 def cmd_generate(args) -> int:

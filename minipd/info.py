@@ -53,14 +53,17 @@ def describe(head_dim: int = 64) -> dict:
     onednn = torch.backends.mkldnn.is_available()
     decode_attention = ("minipd paged_attention, " + (f"{isa} vectors" if head_dim in (64, 128) else "plain loops")
                         if built else "PyTorch SDPA over the gathered KV")  # fmt: skip
+    blocked = (f"minipd blocked_linear ({isa}, weights in column blocks; with --no-prepack: small_linear to "
+               f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then oneDNN)")  # fmt: skip
     f32 = {
         "prefill_attention": f"minipd paged_prefill ({isa})" if cpu_kernels.paged_prefill_available(
             torch.float32, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention,
-        "decode_linears": f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then "
-        "oneDNN (prepacked)" if vectors
-        else ("oneDNN" if onednn else "PyTorch (MKL)"),
-        "prefill_linears": _prefill_linears(onednn, cpu_kernels.onednn_max_rows()),
+        "decode_linears": blocked if cpu_kernels.blocked_linear_in_use()
+        else f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then oneDNN (prepacked)"
+        if vectors else ("oneDNN" if onednn else "PyTorch (MKL)"),
+        "prefill_linears": blocked if cpu_kernels.blocked_linear_in_use()
+        else _prefill_linears(onednn, cpu_kernels.onednn_max_rows()),
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
     native_bf16 = cpu_kernels.native_bfloat16()

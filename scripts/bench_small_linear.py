@@ -1,4 +1,5 @@
-"""The decode step's linear layers alone, at 1 to 8 rows: minipd's small-row kernel against
+"""The decode step's linear layers alone, at 1 to 8 rows (or more): minipd's small-row kernel
+(to 8 rows) and its product on weights in column blocks (csrc/blocked_linear.cpp) against
 torch's F.linear (MKL) and oneDNN (plain weights, and prepacked in its blocked layout), on the
 default model's weight shapes in step order (30 layers and the LM head, 538 MB: more than the
 caches, so every call reads from memory). Prints GB/s of
@@ -6,6 +7,7 @@ weights read and the ratio to a plain read stream measured in the same process, 
 
     python scripts/bench_small_linear.py
     python scripts/bench_small_linear.py --against HEAD~1   # a kernel change, side by side
+    python scripts/bench_small_linear.py --rows 8,16,32,64     # decode batches past 8 rows
 
 --against REV also builds the kernels of git revision REV (under other namespaces, so both load in
 this process) and adds its column and the ratio of the working tree's kernel to it.
@@ -15,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import time
+
+
+SMALL_ROWS = 8
 
 
 def main() -> None:
@@ -56,10 +61,12 @@ def main() -> None:
     print(f"read stream {bw / 1e9:.1f} GB/s; weights {total / 1e6:.0f} MB per pass; GB/s (fraction of the stream)")
     onednn = torch.ops.mkldnn._linear_pointwise
     packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights}  # as --prepack holds them
+    blocked = {id(w): torch.ops.minipd.blocked_weight(w) for w in weights}  # as --prepack holds them on AVX-512
     ways = {"minipd": lambda x, w: torch.ops.minipd.small_linear(x, w, None)}
     if args.against:
         ways[f"minipd@{args.against}"] = kernel_of_revision(args.against)
     ways |= {
+        "minipd blocked": lambda x, w: torch.ops.minipd.blocked_linear(x, blocked[id(w)], None),
         "F.linear": torch.nn.functional.linear,
         "oneDNN": lambda x, w: onednn(x, w, None, "none", [], ""),
         "oneDNN packed": lambda x, w: onednn(x, packed[id(w)], None, "none", [], ""),
@@ -68,12 +75,15 @@ def main() -> None:
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {hidden: torch.randn(m, hidden), inter: torch.randn(m, inter)}
-            for fn in ways.values():  # same answers, or the comparison means nothing
+            small = {"minipd", f"minipd@{args.against}"}  # the small-row kernel takes at most SMALL_ROWS
+            runs = {name: fn for name, fn in ways.items() if m <= SMALL_ROWS or name not in small}
+            for fn in runs.values():  # same answers, or the comparison means nothing
                 torch.testing.assert_close(fn(xs[inter], weights[3]), xs[inter] @ weights[3].t(), rtol=1e-4, atol=1e-3)
-            passes = [lambda fn=fn: [fn(xs[w.shape[1]], w) for w in weights] for fn in ways.values()]
-            rates = [total / t for t in best(*passes)]
-            ratio = f"{rates[0] / rates[1]:>12.2f}x" if args.against else ""
-            print(f"{m:>4}" + "".join(f"{r / 1e9:>10.1f} ({r / bw:>4.0%})" for r in rates) + ratio, flush=True)
+            passes = [lambda fn=fn: [fn(xs[w.shape[1]], w) for w in weights] for fn in runs.values()]
+            rates = dict(zip(runs, (total / t for t in best(*passes))))
+            ratio = f"{rates['minipd'] / rates[f'minipd@{args.against}']:>12.2f}x" if args.against and m <= SMALL_ROWS else ""
+            cells = [f"{rates[n] / 1e9:>10.1f} ({rates[n] / bw:>4.0%})" if n in rates else f"{'-':>17}" for n in ways]
+            print(f"{m:>4}" + "".join(cells) + ratio, flush=True)
 
 
 def kernel_of_revision(rev: str):

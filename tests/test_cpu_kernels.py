@@ -1,6 +1,7 @@
 """minipd's CPU kernels against the portable PyTorch paths they replace."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -122,6 +123,72 @@ def test_small_linear_multiplies_bfloat16_with_dot_product_instructions_where_bu
     dot_flag = {"avx512": "avx512_bf16", "neon": "bf16"}.get(isa)  # x86 AVX512-BF16; ARM BF16 (BFDOT)
     built_for_this_cpu = kernel_build.forced_isa() is None  # -march=native
     assert cpu_kernels.bfloat16_dot() == (built_for_this_cpu and dot_flag in flags)
+
+
+@pytest.mark.parametrize("threads", [1, 2])  # one thread calls the blocks directly, more split them
+def test_blocked_linear_equals_f_linear_at_any_number_of_rows(threads):
+    nb = cpu_kernels.block_columns()
+    torch.manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:  # rows: none, each remainder of a block of rows, and past one pass's 128 rows
+        for rows in (0, 1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 127, 128, 130, 300):
+            for n, k in ((nb, 1), (3 * nb, 577), (10 * nb, 64)):
+                x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+                blocks = torch.ops.minipd.blocked_weight(w)
+                assert blocks.shape == (n // nb, k, nb)
+                torch.testing.assert_close(torch.ops.minipd.blocked_linear(x, blocks, b), F.linear(x, w, b),
+                                           rtol=1e-5, atol=1e-4)  # fmt: skip
+                torch.testing.assert_close(torch.ops.minipd.blocked_linear(x, blocks, None), F.linear(x, w),
+                                           rtol=1e-5, atol=1e-4)  # fmt: skip
+        x = torch.randn(6, 2 * 64)[:, ::2]  # not contiguous
+        w = torch.randn(nb, 64)
+        torch.testing.assert_close(torch.ops.minipd.blocked_linear(x, torch.ops.minipd.blocked_weight(w), None), x @ w.T)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpu_kernels.available() or not cpu_kernels.blocked_bfloat16(),
+                    reason="blocked_linear multiplies bfloat16 only in a build for AVX512-BF16")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blocked_linear_in_bfloat16_is_the_exact_product_within_bfloat16_rounding(threads):
+    """vdpbf16ps adds each pair of products into a float32 sum: the result, rounded once to bfloat16,
+    must lie within bfloat16's rounding of the exact product of the same values."""
+    nb = cpu_kernels.block_columns()
+    torch.manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (0, 1, 7, 8, 9, 130):
+            for n, k in ((nb, 2), (3 * nb, 578)):
+                x, w, b = (torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16())
+                got = torch.ops.minipd.blocked_linear(x, torch.ops.minipd.blocked_weight(w), b)
+                exact = F.linear(x.double(), w.double(), b.double())
+                assert got.dtype == torch.bfloat16 and got.shape == exact.shape
+                assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_blocked_linear_refuses_what_it_cannot_do():
+    nb = cpu_kernels.block_columns()
+    with pytest.raises(RuntimeError, match="multiple"):
+        torch.ops.minipd.blocked_weight(torch.randn(nb + 1, 8))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.minipd.blocked_weight(torch.randn(nb, 8, dtype=torch.float16))
+    if cpu_kernels.blocked_bfloat16():
+        with pytest.raises(RuntimeError, match="even"):
+            torch.ops.minipd.blocked_weight(torch.randn(nb, 7, dtype=torch.bfloat16))
+    else:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.minipd.blocked_weight(torch.randn(nb, 8, dtype=torch.bfloat16))
+    blocks = torch.ops.minipd.blocked_weight(torch.randn(nb, 8))
+    with pytest.raises(RuntimeError, match="x \\(M, K\\)"):
+        torch.ops.minipd.blocked_linear(torch.randn(2, 9), blocks, None)
+    with pytest.raises(RuntimeError, match="blocked_weight"):
+        torch.ops.minipd.blocked_linear(torch.randn(2, 8), torch.randn(nb, 8), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.minipd.blocked_linear(torch.randn(2, 8), blocks, torch.randn(nb + 1))
 
 
 @pytest.mark.parametrize("threads", [1, 2])  # one thread calls the rows directly, more split them
@@ -291,11 +358,13 @@ def test_a_bfloat16_model_reads_its_weights_in_the_small_row_kernel_and_widens_o
         assert ((got.double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,prepack", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+                                           (torch.bfloat16, True)])  # fmt: skip
 @pytest.mark.parametrize("head_dim,qkv_bias", [(16, False), (64, True)])  # the generic and the vector attention
-def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, head_dim, qkv_bias):
+def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prepack, head_dim, qkv_bias):
     """csrc/decode_layers.cpp runs every layer of a decode batch in one call: the same kernels in the
-    same order as the layer loop, so each step's logits must be identical, at batches 1 to 3."""
+    same order as the layer loop, so each step's logits must be identical, at batches 1 to 3 (with
+    prepack on AVX-512: on the column-blocked weights, at any batch)."""
     import dataclasses
 
     from minipd.models.files import tiny_random_config
@@ -303,6 +372,8 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, head
 
     if not cpu_kernels.small_linear_available():
         pytest.skip("the small-row linear is not in use here (a scalar build): no layer runs only minipd's kernels")
+    if prepack and not (cpu_kernels.blocked_linear_in_use() and (dtype == torch.float32 or cpu_kernels.blocked_bfloat16())):
+        pytest.skip("no column-blocked weights for this ISA and dtype: prepack changes nothing in the one call")
     cfg = dataclasses.replace(tiny_random_config(), head_dim=head_dim, qkv_bias=qkv_bias)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
@@ -314,8 +385,8 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, head
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def steps(one_call: bool, monkeypatch):
-        engine = make_engine(model, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024, prepack=False)
-        assert model.decode_rows == cpu_kernels.SMALL_LINEAR_MAX_ROWS
+        engine = make_engine(model, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024, prepack=prepack)
+        assert model.decode_rows == (sys.maxsize if prepack else cpu_kernels.SMALL_LINEAR_MAX_ROWS)
         if not one_call:
             model.decode_rows = 0
         seen, calls, forward, op = [], [], model.forward, torch.ops.minipd.decode_layers

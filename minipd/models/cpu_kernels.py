@@ -24,6 +24,12 @@ SMALL_LINEAR_MAX_ROWS = 8
 # on the AVX-512 EPYC oneDNN packed is as fast from 3 rows; on the AVX2 EPYC small_linear is faster at
 # every row count to 8. Other ISAs are unmeasured: the kernel's own limit.
 ROWS_BESIDE_PACKED = {"avx512": 2}
+# builds whose product on column-blocked weights (csrc/blocked_linear.cpp) runs every float32 product
+# of a Linear, in place of small_linear and oneDNN's prepacked product: on the AVX-512 EPYC (Zen 4)
+# it read the default model's weights 1.5x faster than small_linear at 1-2 rows, 1.7x faster than
+# oneDNN packed at 8 and 1.1x at 32, and multiplied as fast as oneDNN packed at 64-2,048 rows
+# (scripts/bench_small_linear.py). The AVX2 build is tested but unmeasured on an AVX2 machine: off there.
+BLOCKED_ISAS = ("avx512",)
 PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
 # rows from which MKL's float32 product (F.linear) beats oneDNN's on prepacked weights: on the AVX2
 # EPYC (no AVX-512) oneDNN is 4-15% faster to 256 rows, even to 8% behind at 512, MKL 10-12% faster
@@ -65,6 +71,23 @@ def bfloat16_dot() -> bool:
     or ARM's BF16);
     otherwise it widens bfloat16 to float32 in registers."""
     return available() and bool(torch.ops.minipd.bfloat16_dot())
+
+
+def blocked_linear_in_use() -> bool:
+    """Whether a float32 Linear with prepacked weights holds them in column blocks and multiplies
+    them with minipd's blocked_linear at every row count (BLOCKED_ISAS)."""
+    isa = kernel_isa()
+    return isa in BLOCKED_ISAS and kernel_build.vector_kernels_usable(isa, kernel_build.cpu_flags())
+
+
+def blocked_bfloat16() -> bool:
+    """blocked_linear multiplies bfloat16 too (built for AVX512-BF16: vdpbf16ps)."""
+    return available() and bool(torch.ops.minipd.blocked_bfloat16())
+
+
+def block_columns() -> int:
+    """Output columns per block of blocked_weight: a layer is blocked only if it has a multiple."""
+    return int(torch.ops.minipd.block_columns())
 
 
 def small_rows_beside_packed() -> int:

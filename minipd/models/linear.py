@@ -1,6 +1,8 @@
-"""nn.Linear, except that the few rows of a decode step go through minipd's CPU kernel, which
-streams the weights at close to memory speed (float32 or bfloat16, AVX-512, AVX2 or NEON; see
-csrc/small_linear.cpp), the many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32
+"""nn.Linear, except that on a CPU with AVX-512 every float32 product runs on a copy of the weights
+in column blocks (csrc/blocked_linear.cpp: at the memory's speed for a decode step's few rows, at
+the core's FLOP rate for a prefill's many); elsewhere, and for bfloat16, the few rows of a decode
+step go through minipd's CPU kernel, which streams the weights at close to memory speed (AVX-512,
+AVX2 or NEON; see csrc/small_linear.cpp), the many rows of a prefill go through oneDNN (on AMD CPUs MKL's float32
 GEMM takes a path without AVX-512: 100 GFLOP/s against oneDNN's 240 on one core there) except,
 on a CPU without AVX-512, from the rows where MKL's AVX2 GEMM is the faster
 (cpu_kernels.onednn_max_rows), and that it can hold its weights as int8 (weight-only
@@ -20,12 +22,15 @@ class Linear(nn.Linear):
     onednn_rows = 0  # rows up to which a product runs in oneDNN (0: never); set by use_cpu_kernels()
     widen = False  # bfloat16 weights widened to float32 for a product of many rows; set by use_cpu_kernels()
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prefill), or None
+    blocked: torch.Tensor | None = None  # the weight in blocked_linear's column blocks (every product), or None
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights (N, K) int8, per-row scales bf16), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).to(x.dtype)
             return y if self.bias is None else y + self.bias
+        if self.blocked is not None and x.dim() == 2:
+            return torch.ops.minipd.blocked_linear(x, self.blocked, self.bias)
         if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows:
             return torch.ops.minipd.small_linear(x, self.weight, self.bias)
         if x.dim() == 2 and 0 < x.shape[0] <= self.onednn_rows:
@@ -42,8 +47,10 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     built: the small-row kernel in every Linear and the fused element-wise steps (RMSNorm,
     SiLU * up, rotary embedding) in every module that has a `fused` switch (both dtypes), and
     oneDNN (float32).
-    With prepack, each float32 Linear but the LM head (it is the embedding, tied) also keeps a copy
-    of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it (up to
+    With prepack, where the kernels are built for AVX-512 (cpu_kernels.BLOCKED_ISAS), each float32
+    Linear, the LM head too, keeps a copy of its weight in blocked_linear's column blocks and runs
+    every product on it. Elsewhere each float32 Linear but the LM head (it is the embedding, tied)
+    keeps a copy of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it (up to
     cpu_kernels.onednn_max_rows(); beyond, MKL's product on the plain weights), and on
     AVX-512 from 3 rows on oneDNN reads it as fast as the small-row kernel reads the plain weights,
     or faster (on AVX2 it does not: cpu_kernels.ROWS_BESIDE_PACKED; scripts/bench_small_linear.py);
@@ -59,10 +66,17 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     onednn = cpu32 and torch.backends.mkldnn.is_available()
     fused = (cpu32 or bf16) and cpu_kernels.available()
     widen = bf16 and not cpu_kernels.native_bfloat16()
+    blocks = prepack and cpu_kernels.blocked_linear_in_use() and (cpu32 or (bf16 and cpu_kernels.blocked_bfloat16()))
     head = getattr(model, "lm_head", None)
     for m in model.modules():
         if isinstance(m, Linear):
-            pack = onednn and prepack and m.int8 is None and m is not head
+            block = blocks and m.int8 is None and m.out_features % cpu_kernels.block_columns() == 0
+            block = block and (cpu32 or m.in_features % 2 == 0)  # bfloat16 blocks take K in pairs
+            if block and (m.blocked is None or m.blocked.dtype != m.weight.dtype):
+                m.blocked = torch.ops.minipd.blocked_weight(m.weight.detach())
+            elif not block:
+                m.blocked = None
+            pack = onednn and prepack and m.int8 is None and m is not head and not block
             if pack and m.packed is None:
                 m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1024)
             elif not pack:

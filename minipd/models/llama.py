@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -132,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
 
     def plan_decode_layers(self) -> None:
         """Turn the one-call decode on where each step of every layer runs a kernel of minipd's
-        (fused norms, rotary and SiLU x up; the small-row linear up to the rows it takes), or off."""
+        (fused norms, rotary and SiLU x up; the small-row linear up to the rows it takes, or the
+        product on column-blocked weights at any), or off."""
         layers = list(self.layers)
         linears = [m for la in layers for m in (la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj,
                                                   la.mlp.down_proj)]  # fmt: skip
@@ -140,12 +143,17 @@ class LlamaForCausalLM(nn.Module):
                                                         la.post_attention_layernorm))  # fmt: skip
         biases = [la.self_attn.qkv_proj.bias for la in layers]
         plain = all(m.int8 is None and m.weight.is_contiguous() for m in linears) and len({b is None for b in biases}) <= 1
-        self.decode_rows = min(m.small_rows for m in linears) if layers and fused and plain else 0
+        rows = [sys.maxsize if m.blocked is not None else m.small_rows for m in linears]
+        self.decode_rows = min(rows) if layers and fused and plain else 0
+
+        def held(m: Linear) -> torch.Tensor:  # what decode_layers multiplies: column blocks, or plain rows
+            return m.weight if m.blocked is None else m.blocked
+
         self.decode_weights = (
-            [la.input_layernorm.weight for la in layers], [la.self_attn.qkv_proj.weight for la in layers],
-            [] if None in biases else biases, [la.self_attn.o_proj.weight for la in layers],
-            [la.post_attention_layernorm.weight for la in layers], [la.mlp.gate_up_proj.weight for la in layers],
-            [la.mlp.down_proj.weight for la in layers])  # fmt: skip
+            [la.input_layernorm.weight for la in layers], [held(la.self_attn.qkv_proj) for la in layers],
+            [] if None in biases else biases, [held(la.self_attn.o_proj) for la in layers],
+            [la.post_attention_layernorm.weight for la in layers], [held(la.mlp.gate_up_proj) for la in layers],
+            [held(la.mlp.down_proj) for la in layers])  # fmt: skip
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face Llama-layout tensors (module names match, less the `model.` prefix,

@@ -8,6 +8,11 @@
 
 namespace {
 
+// a weight as Linear holds it: plain rows (N, K), or column blocks (N / NB, K, NB)
+at::Tensor any_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return w.dim() == 3 ? minipd_ops::blocked_linear(x, w, bias) : minipd_ops::small_linear(x, w, bias);
+}
+
 at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList input_norms, at::TensorList qkv_weights,
                          at::TensorList qkv_biases, at::TensorList o_weights, at::TensorList post_norms,
                          at::TensorList gate_up_weights, at::TensorList down_weights, const at::Tensor& kv_cache,
@@ -28,7 +33,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList input_norms, at:
     at::Tensor k_cache = kv_cache.select(0, 0).select(0, i), v_cache = kv_cache.select(0, 1).select(0, i);
     c10::optional<at::Tensor> bias;
     if (!qkv_biases.empty()) bias = qkv_biases[i];
-    at::Tensor qkv = minipd_ops::small_linear(minipd_ops::rms_norm(x, input_norms[i], eps), qkv_weights[i], bias);
+    at::Tensor qkv = any_linear(minipd_ops::rms_norm(x, input_norms[i], eps), qkv_weights[i], bias);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, Hkv, D});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv, D});
@@ -37,12 +42,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, at::TensorList input_norms, at:
     v_cache.index_copy_(0, slot_mapping, v);
     at::Tensor attn = minipd_ops::paged_attention(q, k_cache, v_cache, block_tables, seq_of_token, pos_of_token,
                                                   block_size, scale);
-    x = x + minipd_ops::small_linear(attn.view({T, q_size}), o_weights[i], c10::nullopt);
-    at::Tensor gate_up = minipd_ops::small_linear(minipd_ops::rms_norm(x, post_norms[i], eps), gate_up_weights[i],
+    x = x + any_linear(attn.view({T, q_size}), o_weights[i], c10::nullopt);
+    at::Tensor gate_up = any_linear(minipd_ops::rms_norm(x, post_norms[i], eps), gate_up_weights[i],
                                                   c10::nullopt);
     const int64_t inter = gate_up.size(1) / 2;
     at::Tensor mlp = minipd_ops::silu_and_mul(gate_up.narrow(1, 0, inter), gate_up.narrow(1, inter, inter));
-    x = x + minipd_ops::small_linear(mlp, down_weights[i], c10::nullopt);
+    x = x + any_linear(mlp, down_weights[i], c10::nullopt);
   }
   return x;
 }

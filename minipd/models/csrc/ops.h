@@ -8,6 +8,8 @@ namespace minipd_ops {
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 std::string kernel_isa();
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
+bool blocked_bfloat16();
 bool bfloat16_dot();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
