@@ -92,7 +92,13 @@ def test_paged_attention_in_bfloat16_is_float32_over_the_same_values_rounded_to_
     args = (tables, torch.arange(len(lens)), torch.tensor(lens) - 1, bs, d**-0.5)
     got = torch.ops.minipd.paged_attention(q, k_cache, v_cache, *args)
     want = torch.ops.minipd.paged_attention(q.float(), k_cache.float(), v_cache.float(), *args)
-    assert torch.equal(got, want.bfloat16())  # the same sums (widening is exact), one rounding, as torch rounds
+    if cpu_kernels.kernel_isa() == "avx512" and cpu_kernels.bfloat16_dot():
+        # the keys' dot products in vdpbf16ps: the same products (exact in float32), summed in pairs
+        # and scaled after: at most one bfloat16 step from float32 rounded, and nearly always none
+        step = want.abs() * 2**-7 + 1e-6
+        assert ((got.float() - want).abs() <= step).all() and (got == want.bfloat16()).float().mean() > 0.97
+    else:
+        assert torch.equal(got, want.bfloat16())  # the same sums (widening is exact), one rounding, as torch rounds
 
 
 # the kernels compute the same on every ISA they are built for (MINIPD_KERNEL_ISA=avx2 or scalar

@@ -14,6 +14,14 @@
 #include "ops.h"
 #include "vec.h"
 
+// bfloat16 keys on a CPU with AVX512-BF16: each query head's dot products with vdpbf16ps (pairs of
+// bfloat16 products into float32 sums), with no widening of the keys (once per query head otherwise)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MINIPD_ATTENTION_BF16_DOT 1
+#else
+#define MINIPD_ATTENTION_BF16_DOT 0
+#endif
+
 namespace {
 
 template <typename T>
@@ -141,6 +149,21 @@ void run_vec(const E* qp, const E* kp, const E* vp, const int64_t* bt, const int
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const int64_t off = (hq / G) * D;
           ask_for(kp, p0 + AHEAD * L, Lk, hq * share, (hq + 1) * share);
+#if MINIPD_ATTENTION_BF16_DOT
+          if constexpr (std::is_same_v<E, uint16_t>) {  // q as it is (bfloat16), the scale applied to the sums
+            constexpr int P = D / 32;                    // vectors of 32 bfloat16
+            __m512bh qv[P];
+            for (int x = 0; x < P; ++x) qv[x] = (__m512bh)_mm512_loadu_si512(qp + (t * Hq + hq) * D + 32 * x);
+            Vec dots[L];
+            for (int i = 0; i < L; ++i) {
+              __m512 c = _mm512_setzero_ps();
+              for (int x = 0; x < P; ++x) c = _mm512_dpbf16_ps(c, qv[x], (__m512bh)_mm512_loadu_si512(rows[i] + off + 32 * x));
+              dots[i] = {c};
+            }
+            (minipd_vec::lane_sums(dots) * Vec::set1(scale)).store(scores.data() + hq * Lp + p0);
+            continue;
+          }
+#endif
           Vec qv[X], dots[L];
           for (int x = 0; x < X; ++x) qv[x] = Vec::load(qf.data() + hq * D + L * x);
           for (int i = 0; i < L; ++i) {
