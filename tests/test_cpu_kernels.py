@@ -426,3 +426,5 @@ def test_int8_after_the_kernels_stops_the_one_call_decode():
     assert model.decode_rows > 0
     quantize_int8(model)
     assert model.decode_rows == 0
+    linears = [m for m in model.modules() if hasattr(m, "int8")]
+    assert all(m.int8 is not None and m.blocked is None and m.packed is None for m in linears)  # no copy left unused

@@ -99,5 +99,6 @@ def quantize_int8(model: nn.Module) -> None:
             w = m.weight.detach().float()
             scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
             m.int8 = ((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale.to(torch.bfloat16))
+            m.blocked = m.packed = None  # int8 runs first: the faster layouts' copies would only hold memory
     if hasattr(model, "plan_decode_layers"):  # int8 layers run in Python: the one-call decode stops
         model.plan_decode_layers()
