@@ -23,9 +23,9 @@ def add_engine_args(p) -> None:
         "with HF (default: off)",
     )
     p.add_argument("--prepack", default=True, action=argparse.BooleanOptionalAction,
-                   help="cpu, float32: also keep the layers' weights in a faster layout, a second copy in memory "
-                        "(AVX-512: minipd's column blocks for every product, the LM head too; elsewhere: oneDNN's "
-                        "blocked layout, 5-14%% faster prefill)")
+                   help="cpu: also keep the layers' weights in a faster layout, a second copy in memory "
+                        "(AVX-512: minipd's column blocks for every float32 product, and bfloat16 with AVX512-BF16, "
+                        "the LM head too; elsewhere, float32: oneDNN's blocked layout, 5-14%% faster prefill)")
 
 
 def cmd_generate(args) -> int:

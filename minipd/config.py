@@ -22,7 +22,7 @@ class EngineConfig:
     max_model_len: int | None = None
     threads: int | None = None
     quantization: str | None = None  # "int8": weight-only int8 linears (opt-in)
-    prepack: bool = True  # cpu float32: layers' weights also in a faster layout (AVX-512: column blocks; else oneDNN's)
+    prepack: bool = True  # cpu: layers' weights also in a faster layout (AVX-512: column blocks; else oneDNN's, float32)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

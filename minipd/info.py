@@ -53,16 +53,17 @@ def describe(head_dim: int = 64) -> dict:
     onednn = torch.backends.mkldnn.is_available()
     decode_attention = ("minipd paged_attention, " + (f"{isa} vectors" if head_dim in (64, 128) else "plain loops")
                         if built else "PyTorch SDPA over the gathered KV")  # fmt: skip
-    blocked = (f"minipd blocked_linear ({isa}, weights in column blocks; with --no-prepack: small_linear to "
-               f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then oneDNN)")  # fmt: skip
+    blocks = cpu_kernels.blocked_linear_in_use()
+    blocked = f"minipd blocked_linear ({isa}, weights in column blocks"
+    unpacked = f"with --no-prepack: small_linear to {cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then oneDNN"
     f32 = {
         "prefill_attention": f"minipd paged_prefill ({isa})" if cpu_kernels.paged_prefill_available(
             torch.float32, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention,
-        "decode_linears": blocked if cpu_kernels.blocked_linear_in_use()
+        "decode_linears": f"{blocked}; {unpacked})" if blocks
         else f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then oneDNN (prepacked)"
         if vectors else ("oneDNN" if onednn else "PyTorch (MKL)"),
-        "prefill_linears": blocked if cpu_kernels.blocked_linear_in_use()
+        "prefill_linears": f"{blocked}; with --no-prepack: oneDNN)" if blocks
         else _prefill_linears(onednn, cpu_kernels.onednn_max_rows()),
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
@@ -71,13 +72,17 @@ def describe(head_dim: int = 64) -> dict:
     bf16_products = f"bfloat16 dot products ({dot})" if cpu_kernels.bfloat16_dot() else "bfloat16 widened"
     many_rows_bf16 = ("PyTorch (oneDNN bfloat16)" if native_bf16 else
                       "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
+    bf16_blocks = blocks and cpu_kernels.blocked_bfloat16()
+    bf16_blocked = f"{blocked}, {bf16_products}, float32 sums; with --no-prepack: "
     bf16 = {
         "prefill_attention": f"minipd paged_prefill ({isa}, float32 sums)" if cpu_kernels.paged_prefill_available(
             torch.bfloat16, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention + (", float32 sums" if built else ""),
-        "decode_linears": f"minipd small_linear ({isa}, {bf16_products}, float32 sums) up to "
+        "decode_linears": f"{bf16_blocked}small_linear to {cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then "
+        f"{many_rows_bf16})" if bf16_blocks
+        else f"minipd small_linear ({isa}, {bf16_products}, float32 sums) up to "
         f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,
-        "prefill_linears": many_rows_bf16,
+        "prefill_linears": f"{bf16_blocked}{many_rows_bf16})" if bf16_blocks else many_rows_bf16,
         "elementwise": f32["elementwise"],
     }
     return {

@@ -20,10 +20,13 @@ def test_info_agrees_with_what_the_dispatch_chooses():
     assert prefill.startswith("minipd paged_prefill") == cpu_kernels.paged_prefill_available(torch.float32, 64)
     f32_linears = got["paths"]["float32"]["decode_linears"]
     if cpu_kernels.blocked_linear_in_use():
-        assert f32_linears.startswith("minipd blocked_linear") and got["paths"]["float32"]["prefill_linears"] == f32_linears
+        assert f32_linears.startswith("minipd blocked_linear")
+        assert got["paths"]["float32"]["prefill_linears"].startswith("minipd blocked_linear")
     else:
         assert f32_linears.startswith("minipd small_linear") == cpu_kernels.small_linear_available()
     bf16_linears = got["paths"]["bfloat16"]["decode_linears"]
+    bf16_blocked = cpu_kernels.blocked_linear_in_use() and cpu_kernels.blocked_bfloat16()
+    assert bf16_linears.startswith("minipd blocked_linear") == bf16_blocked
     assert ("bfloat16 dot products" in bf16_linears) == (cpu_kernels.bfloat16_dot() and cpu_kernels.small_linear_available())
     assert got["threads"] == torch.get_num_threads() and got["versions"]["torch"] == torch.__version__
     text = info.render(got)
