@@ -44,29 +44,6 @@ void block(const float* x, int64_t K, const float* wb, const float* bias, float*
   }
 }
 
-template <int M>
-void rows_left(int left, const float* x, int64_t K, const float* wb, const float* bias, float* y, int64_t N) {
-  if constexpr (M > 0) {
-    if (left == M) return block<M>(x, K, wb, bias, y, N);
-    rows_left<M - 1>(left, x, K, wb, bias, y, N);
-  }
-}
-
-// column blocks b0..b1 of y, for all M rows
-void blocks(const float* x, int64_t M, int64_t K, const float* w, const float* bias, float* y, int64_t N, int64_t b0,
-            int64_t b1) {
-  for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
-    const int64_t m1 = std::min(M, m0 + ROWS_PER_PASS);
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* wb = w + b * K * NB;
-      const float* bb = bias ? bias + b * NB : nullptr;
-      int64_t m = m0;
-      for (; m + MB <= m1; m += MB) block<MB>(x + m * K, K, wb, bb, y + m * N + b * NB, N);
-      if (m < m1) rows_left<MB - 1>(static_cast<int>(m1 - m), x + m * K, K, wb, bb, y + m * N + b * NB, N);
-    }
-  }
-}
-
 // bfloat16 on a CPU with AVX512-BF16: w in blocks of NB columns whose K is taken in pairs,
 // (N / NB, K / 2, NB, 2), as vdpbf16ps multiplies them: each instruction adds two products (a pair
 // of x's bfloat16 values, broadcast, times each column's pair) into each column's float32 sum,
@@ -74,7 +51,7 @@ void blocks(const float* x, int64_t M, int64_t K, const float* w, const float* b
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIPD_BLOCKED_BF16 1
 template <int M>
-void block_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, float* y, int64_t N) {
+void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, float* y, int64_t N) {
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -94,31 +71,34 @@ void block_bf16(const uint16_t* x, int64_t K, const uint16_t* wb, const float* b
   }
 }
 
-template <int M>
-void rows_left_bf16(int left, const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, float* y,
-                    int64_t N) {
-  if constexpr (M > 0) {
-    if (left == M) return block_bf16<M>(x, K, wb, bias, y, N);
-    rows_left_bf16<M - 1>(left, x, K, wb, bias, y, N);
-  }
-}
-
-void blocks_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, const float* bias, float* y, int64_t N,
-                 int64_t b0, int64_t b1) {
-  for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
-    const int64_t m1 = std::min(M, m0 + ROWS_PER_PASS);
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint16_t* wb = w + b * K * NB;
-      const float* bb = bias ? bias + b * NB : nullptr;
-      int64_t m = m0;
-      for (; m + MB <= m1; m += MB) block_bf16<MB>(x + m * K, K, wb, bb, y + m * N + b * NB, N);
-      if (m < m1) rows_left_bf16<MB - 1>(static_cast<int>(m1 - m), x + m * K, K, wb, bb, y + m * N + b * NB, N);
-    }
-  }
-}
 #else
 #define MINIPD_BLOCKED_BF16 0
 #endif
+
+// block<M> for the `left` (1 to M) rows that remain
+template <int M, typename T>
+void rows_left(int left, const T* x, int64_t K, const T* wb, const float* bias, float* y, int64_t N) {
+  if constexpr (M > 0) {
+    if (left == M) return block<M>(x, K, wb, bias, y, N);
+    rows_left<M - 1>(left, x, K, wb, bias, y, N);
+  }
+}
+
+// column blocks b0..b1 of y, for all M rows; T: float, or bfloat16's bits where block<M> takes them
+template <typename T>
+void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t b0,
+            int64_t b1) {
+  for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+    const int64_t m1 = std::min(M, m0 + ROWS_PER_PASS);
+    for (int64_t b = b0; b < b1; ++b) {
+      const T* wb = w + b * K * NB;
+      const float* bb = bias ? bias + b * NB : nullptr;
+      int64_t m = m0;
+      for (; m + MB <= m1; m += MB) block<MB>(x + m * K, K, wb, bb, y + m * N + b * NB, N);
+      if (m < m1) rows_left<MB - 1>(static_cast<int>(m1 - m), x + m * K, K, wb, bb, y + m * N + b * NB, N);
+    }
+  }
+}
 
 at::Tensor blocked_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
@@ -158,8 +138,8 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
 #if MINIPD_BLOCKED_BF16
   if (dtype == at::kBFloat16) {
     const auto *xp = minipd_elements::data<uint16_t>(x), *wp = minipd_elements::data<uint16_t>(w);
-    if (one) blocks_bf16(xp, M, K, wp, bp, yp, N, 0, w.size(0));
-    else at::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) { blocks_bf16(xp, M, K, wp, bp, yp, N, b0, b1); });
+    if (one) blocks(xp, M, K, wp, bp, yp, N, 0, w.size(0));
+    else at::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) { blocks(xp, M, K, wp, bp, yp, N, b0, b1); });
     return y.to(dtype);  // rounded once, at the end
   }
 #endif
