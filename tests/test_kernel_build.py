@@ -330,3 +330,21 @@ def test_a_product_of_no_rows_stays_in_pytorch_when_onednn_is_off(monkeypatch, t
     finally:
         monkeypatch.undo()
         use_cpu_kernels(tiny_model)
+
+
+def test_a_model_off_the_cpu_kernels_never_asks_for_them(monkeypatch, tiny_model):
+    """Defect (review): use_cpu_kernels asked whether blocked_linear was in use before whether the
+    model was a CPU model in float32 or bfloat16, so a CUDA model, or the kernels turned off, built
+    or loaded the CPU extension (about a minute, or a warning where no compiler exists)."""
+    from minipd.models.linear import use_cpu_kernels
+
+    def built(*_):
+        raise AssertionError("the CPU kernels were asked for")
+
+    try:
+        monkeypatch.setattr(cpu_kernels, "kernel_isa", built)
+        monkeypatch.setattr(cpu_kernels, "available", built)
+        use_cpu_kernels(tiny_model, on=False)
+    finally:
+        monkeypatch.undo()
+        use_cpu_kernels(tiny_model)

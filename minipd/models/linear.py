@@ -66,7 +66,7 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     onednn = cpu32 and torch.backends.mkldnn.is_available()
     fused = (cpu32 or bf16) and cpu_kernels.available()
     widen = bf16 and not cpu_kernels.native_bfloat16()
-    blocks = prepack and cpu_kernels.blocked_linear_in_use() and (cpu32 or (bf16 and cpu_kernels.blocked_bfloat16()))
+    blocks = (cpu32 or bf16) and prepack and cpu_kernels.blocked_linear_in_use() and (cpu32 or cpu_kernels.blocked_bfloat16())
     head = getattr(model, "lm_head", None)
     for m in model.modules():
         if isinstance(m, Linear):
