@@ -6,7 +6,7 @@
 // prefetcher follows. small_linear's dot-product form on plain rows needs an x load per FMA and a
 // horizontal sum per output; on a 2-core AMD EPYC Zen 4 with AVX-512 (one thread, the default
 // model's weights from memory; scripts/bench_small_linear.py) this reads them 1.7x faster than
-// oneDNN's product on its own prepacked weights at 8 rows, 1.2x at 32, and multiplies as fast from
+// oneDNN's product on its own prepacked weights at 8 rows, 1.1x at 32, and multiplies as fast from
 // 64 rows to 2,048 (at the core's FLOP rate).
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -100,6 +100,14 @@ void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, flo
   }
 }
 
+// every column block of y: on one thread called directly (through parallel_for's lambda the compiler
+// may keep less in registers), else the blocks split among the threads
+template <typename T>
+void all_blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, float* y, int64_t N) {
+  if (at::get_num_threads() == 1 || M == 0) return blocks(x, M, K, w, bias, y, N, 0, N / NB);
+  at::parallel_for(0, N / NB, 1, [&](int64_t b0, int64_t b1) { blocks(x, M, K, w, bias, y, N, b0, b1); });
+}
+
 at::Tensor blocked_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "w (N, K), float32 or bfloat16");
@@ -133,20 +141,15 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
   }
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
-  const bool one = at::get_num_threads() == 1 || M == 0;
-  // on one thread called directly: through parallel_for's lambda the compiler may keep less in registers
 #if MINIPD_BLOCKED_BF16
   if (dtype == at::kBFloat16) {
-    const auto *xp = minipd_elements::data<uint16_t>(x), *wp = minipd_elements::data<uint16_t>(w);
-    if (one) blocks(xp, M, K, wp, bp, yp, N, 0, w.size(0));
-    else at::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) { blocks(xp, M, K, wp, bp, yp, N, b0, b1); });
+    using minipd_elements::data;
+    all_blocks(data<uint16_t>(x), M, K, data<uint16_t>(w), bp, yp, N);
     return y.to(dtype);  // rounded once, at the end
   }
 #endif
   TORCH_CHECK(dtype == at::kFloat, "blocked_linear: bfloat16 needs a build for AVX512-BF16");
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  if (one) blocks(xp, M, K, wp, bp, yp, N, 0, w.size(0));
-  else at::parallel_for(0, w.size(0), 1, [&](int64_t b0, int64_t b1) { blocks(xp, M, K, wp, bp, yp, N, b0, b1); });
+  all_blocks(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bp, yp, N);
   return y;
 }
 

@@ -141,7 +141,8 @@ void run_vec(const E* qp, const E* kp, const E* vp, const int64_t* bt, const int
         const int64_t q = std::min(p, Lk - 1);  // past the end: the last slot again, its score padded below
         slot[p] = table[q / bs] * bs + q % bs;
       }
-      for (int64_t i = 0; i < Hq * D; i += L) (Vec::load(qp + t * Hq * D + i) * Vec::set1(scale)).store(qf.data() + i);
+      if (!(MINIPD_ATTENTION_BF16_DOT && std::is_same_v<E, uint16_t>))  // the dot products there take q as it is
+        for (int64_t i = 0; i < Hq * D; i += L) (Vec::load(qp + t * Hq * D + i) * Vec::set1(scale)).store(qf.data() + i);
       ask_for(kp, 0, Lk, 0, AHEAD * L * lines);
       for (int64_t p0 = 0; p0 < Lk; p0 += L) {  // keys
         const E* rows[L];
