@@ -140,7 +140,7 @@ def test_blocked_linear_equals_f_linear_at_any_number_of_rows(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:  # rows: none, each remainder of a block of rows, and past one pass's 128 rows
-        for rows in (0, 1, 2, 3, 5, 6, 7, 8, 9, 13, 17, 127, 128, 130, 300):
+        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 17, 127, 128, 130, 300):  # blocks of 8 or 6 rows
             for n, k in ((nb, 1), (3 * nb, 577), (10 * nb, 64)):
                 x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
                 blocks = torch.ops.minipd.blocked_weight(w)
@@ -167,7 +167,7 @@ def test_blocked_linear_in_bfloat16_is_the_exact_product_within_bfloat16_roundin
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for rows in (0, 1, 7, 8, 9, 130):
+        for rows in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 130):
             for n, k in ((nb, 2), (3 * nb, 578)):
                 x, w, b = (torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16())
                 got = torch.ops.minipd.blocked_linear(x, torch.ops.minipd.blocked_weight(w), b)
@@ -187,6 +187,8 @@ def test_blocked_linear_refuses_what_it_cannot_do():
     if cpu_kernels.blocked_bfloat16():
         with pytest.raises(RuntimeError, match="even"):
             torch.ops.minipd.blocked_weight(torch.randn(nb, 7, dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError, match="even"):  # blocks made by hand: K in pairs or not at all
+            torch.ops.minipd.blocked_linear(torch.randn(2, 7).bfloat16(), torch.randn(1, 7, nb).bfloat16(), None)
     else:
         with pytest.raises(RuntimeError, match="AVX512-BF16"):
             torch.ops.minipd.blocked_weight(torch.randn(nb, 8, dtype=torch.bfloat16))

@@ -131,6 +131,7 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == w.size(1) && x_in.scalar_type() == dtype,
               "blocked_linear: x (M, K), of w's dtype");
   const int64_t M = x_in.size(0), K = w.size(1), N = w.size(0) * NB;
+  TORCH_CHECK(dtype == at::kFloat || K % 2 == 0, "blocked_linear: bfloat16 K (", K, ") must be even");
   const at::Tensor x = x_in.contiguous();
   at::Tensor bf;
   const float* bp = nullptr;
