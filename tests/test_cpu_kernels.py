@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from minipd.models import cpu_kernels, kernel_build
 from minipd.models.attention import gather
-from minipd.models.linear import use_cpu_kernels
+from minipd.models.linear import Linear, use_cpu_kernels
 from minipd.sampling_params import SamplingParams
 from tests.conftest import make_engine
 from tests.helpers import run_staggered
@@ -370,11 +370,13 @@ def test_a_bfloat16_model_reads_its_weights_in_the_small_row_kernel_and_widens_o
 
 @pytest.mark.parametrize("dtype,prepack", [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
                                            (torch.bfloat16, True)])  # fmt: skip
-@pytest.mark.parametrize("head_dim,qkv_bias", [(16, False), (64, True)])  # the generic and the vector attention
-def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prepack, head_dim, qkv_bias):
+@pytest.mark.parametrize("head_dim,qkv_bias,inter", [(16, False, 128), (64, True, 128),  # generic, vector attention
+                                                     (16, False, 72)])  # gate_up 144 wide: not in blocks, beside ones that are
+def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prepack, head_dim, qkv_bias, inter):
     """csrc/decode_layers.cpp runs every layer of a decode batch in one call: the same kernels in the
     same order as the layer loop, so each step's logits must be identical, at batches 1 to 3 (with
-    prepack on AVX-512: on the column-blocked weights, at any batch)."""
+    prepack on AVX-512: on the column-blocked weights, at any batch, or up to the small-row kernel's
+    rows where some layer's columns are not a multiple of a block's)."""
     import dataclasses
 
     from minipd.models.files import tiny_random_config
@@ -384,7 +386,7 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prep
         pytest.skip("the small-row linear is not in use here (a scalar build): no layer runs only minipd's kernels")
     if prepack and not (cpu_kernels.blocked_linear_in_use() and (dtype == torch.float32 or cpu_kernels.blocked_bfloat16())):
         pytest.skip("no column-blocked weights for this ISA and dtype: prepack changes nothing in the one call")
-    cfg = dataclasses.replace(tiny_random_config(), head_dim=head_dim, qkv_bias=qkv_bias)
+    cfg = dataclasses.replace(tiny_random_config(), head_dim=head_dim, qkv_bias=qkv_bias, intermediate_size=inter)
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -396,7 +398,10 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prep
 
     def steps(one_call: bool, monkeypatch):
         engine = make_engine(model, dtype=str(dtype).removeprefix("torch."), kv_cache_tokens=1024, prepack=prepack)
-        assert model.decode_rows == (sys.maxsize if prepack else cpu_kernels.SMALL_LINEAR_MAX_ROWS)
+        blocked = [m.blocked is not None for m in model.modules() if isinstance(m, Linear)]
+        assert all(blocked) if prepack and 2 * inter % cpu_kernels.block_columns() == 0 else (any(blocked) == prepack and not all(blocked))
+        rows.append(model.decode_rows)  # beside unblocked layers: as many as the small-row kernel takes there
+        assert rows[-1] == sys.maxsize if all(blocked) else 2 <= rows[-1] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS
         if not one_call:
             model.decode_rows = 0
         seen, calls, forward, op = [], [], model.forward, torch.ops.minipd.decode_layers
@@ -409,10 +414,12 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prep
             monkeypatch.undo()
         return seen, calls
 
+    rows = []
     with pytest.MonkeyPatch.context() as mp:
         (one, one_calls), (loop, loop_calls) = steps(True, mp), steps(False, mp)
     assert [n for n, _ in one] == [n for n, _ in loop]
-    assert {1, 2, 3} <= set(one_calls) and loop_calls == []  # the one call ran at batches 1-3, the loop never
+    assert {b for b in (1, 2, 3) if b <= rows[0]} <= set(one_calls) and max(one_calls) <= rows[0]
+    assert loop_calls == []  # the one call ran at batches 1-3 (or as many as it takes), the loop never
     for (_, a), (_, b) in zip(one, loop):
         assert torch.equal(a, b)
 
