@@ -51,7 +51,7 @@ void block(const float* x, int64_t K, const float* wb, const float* bias, float*
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIPD_BLOCKED_BF16 1
 template <int M>
-void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, float* y, int64_t N) {
+void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, uint16_t* y, int64_t N) {
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -67,7 +67,9 @@ void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, 
   }
   for (int v = 0; v < NV; ++v) {
     const __m512 b = bias ? _mm512_loadu_ps(bias + v * 16) : _mm512_setzero_ps();
-    for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * N + v * 16, _mm512_add_ps(acc[m][v], b));
+    for (int m = 0; m < M; ++m)  // rounded once, to nearest even, as at::BFloat16 rounds
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + v * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m][v], b)));
   }
 }
 
@@ -77,16 +79,17 @@ void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, 
 
 // block<M> for the `left` (1 to M) rows that remain
 template <int M, typename T>
-void rows_left(int left, const T* x, int64_t K, const T* wb, const float* bias, float* y, int64_t N) {
+void rows_left(int left, const T* x, int64_t K, const T* wb, const float* bias, T* y, int64_t N) {
   if constexpr (M > 0) {
     if (left == M) return block<M>(x, K, wb, bias, y, N);
     rows_left<M - 1>(left, x, K, wb, bias, y, N);
   }
 }
 
-// column blocks b0..b1 of y, for all M rows; T: float, or bfloat16's bits where block<M> takes them
+// column blocks b0..b1 of y, for all M rows; T: float, or bfloat16's bits where block<M> takes them (x, w
+// and y alike; the sums are float32)
 template <typename T>
-void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, float* y, int64_t N, int64_t b0,
+void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y, int64_t N, int64_t b0,
             int64_t b1) {
   for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
     const int64_t m1 = std::min(M, m0 + ROWS_PER_PASS);
@@ -103,7 +106,7 @@ void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, flo
 // every column block of y: on one thread called directly (through parallel_for's lambda the compiler
 // may keep less in registers), else the blocks split among the threads
 template <typename T>
-void all_blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, float* y, int64_t N) {
+void all_blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y, int64_t N) {
   if (at::get_num_threads() == 1 || M == 0) return blocks(x, M, K, w, bias, y, N, 0, N / NB);
   at::parallel_for(0, N / NB, 1, [&](int64_t b0, int64_t b1) { blocks(x, M, K, w, bias, y, N, b0, b1); });
 }
@@ -140,17 +143,16 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
     bf = bias->to(at::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
+  auto y = at::empty({M, N}, x.options());
 #if MINIPD_BLOCKED_BF16
   if (dtype == at::kBFloat16) {
     using minipd_elements::data;
-    all_blocks(data<uint16_t>(x), M, K, data<uint16_t>(w), bp, yp, N);
-    return y.to(dtype);  // rounded once, at the end
+    all_blocks(data<uint16_t>(x), M, K, data<uint16_t>(w), bp, data<uint16_t>(y), N);
+    return y;
   }
 #endif
   TORCH_CHECK(dtype == at::kFloat, "blocked_linear: bfloat16 needs a build for AVX512-BF16");
-  all_blocks(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bp, yp, N);
+  all_blocks(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bp, y.data_ptr<float>(), N);
   return y;
 }
 
