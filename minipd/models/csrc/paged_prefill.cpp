@@ -9,11 +9,17 @@
 // the group, which share the kv head) sweep the keys KEYS at a time: scores by broadcasting each
 // query element against two vectors of K^T, then p * V into the tile's output. The tile shapes
 // follow the registers the ISA has (32 vectors on AVX-512 and NEON, 16 on AVX2).
+//
+// bfloat16 on a CPU with AVX512-BF16 multiplies in vdpbf16ps instead (two products of bfloat16 into
+// each float32 sum, twice float32 FMA's work per instruction): K^T is held in pairs of dimensions,
+// V in pairs of keys, and each tile's softmax weights p are rounded to bfloat16 for p * V, as
+// flash attention does on GPUs (the sums, the max and the normalizer stay float32).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 #include "elements.h"
@@ -35,6 +41,11 @@ constexpr int MAX_D = 256;
 constexpr int KEY_PAD = 32;  // keys are padded to a multiple of this (>= 2 vectors on every ISA)
 constexpr float NONE = -1e30f;  // the running max before any key; finite, as -ffast-math assumes
 static_assert(ROWS % GROUP == 0 && KEY_PAD % (2 * L) == 0 && KEYS % KEY_PAD == 0, "tile shapes");
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define MINIPD_PREFILL_BF16_DOT 1
+#else
+#define MINIPD_PREFILL_BF16_DOT 0
+#endif
 
 // s[r][c:c+2L] = q[r] . keys c..c+2L-1 of kt, K^T of one head with row stride ld
 template <int D>
@@ -82,15 +93,91 @@ inline void accumulate(float* o, const float* corr, const float p[ROWS][KEYS], c
   if constexpr (REST > 0) accumulate_columns<REST>(o, corr, p, v, n, FULL * COLS * L);
 }
 
+inline uint32_t pair_at(const uint16_t* p) {  // two consecutive bfloat16, the first in the low half
+  uint32_t x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline uint32_t pair_at(const float*) { return 0; }  // never called: K^T holds floats there
+
+#if MINIPD_PREFILL_BF16_DOT
+
+// s[r][c:c+32] = scale * q[r] . keys c..c+31, from K^T in pairs (D / 2 x keys, each lane a pair of
+// consecutive dimensions of one key) and q's rows as they are (bfloat16, pairs side by side)
+template <int D>
+inline void scores_dot(const uint16_t* q, const uint32_t* kt, int64_t ld, float scale, float s[ROWS][KEYS], int c) {
+  __m512 acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int d = 0; d < D / 2; ++d) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + d * ld), k1 = (__m512bh)_mm512_loadu_si512(kt + d * ld + 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh qv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(q + r * MAX_D + 2 * d)));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qv, k0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qv, k1);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(s[r] + c, _mm512_mul_ps(acc[r][0], sc));
+    _mm512_storeu_ps(s[r] + c + 16, _mm512_mul_ps(acc[r][1], sc));
+  }
+}
+
+// columns [c, c + W * 16) of o[r] = o[r] * corr[r] + sum_j<2 pairs p[r][j] v[j], from p in bfloat16
+// (pairs of keys side by side) and V in pairs of keys (keys / 2 x D, each lane one dimension of two keys)
+template <int D, int W>
+inline void accumulate_columns_dot(float* o, const float* corr, const uint16_t p[ROWS][KEYS], const uint32_t* v,
+                                   int pairs, int c) {
+  for (int r0 = 0; r0 < ROWS; r0 += GROUP) {
+    __m512 acc[GROUP][W];
+    for (int r = 0; r < GROUP; ++r)
+      for (int x = 0; x < W; ++x)
+        acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * MAX_D + c + 16 * x), _mm512_set1_ps(corr[r0 + r]));
+    for (int j = 0; j < pairs; ++j) {
+      __m512bh vv[W];
+      for (int x = 0; x < W; ++x) vv[x] = (__m512bh)_mm512_loadu_si512(v + j * D + c + 16 * x);
+      for (int r = 0; r < GROUP; ++r) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(p[r0 + r] + 2 * j)));
+        for (int x = 0; x < W; ++x) acc[r][x] = _mm512_dpbf16_ps(acc[r][x], pv, vv[x]);
+      }
+    }
+    for (int r = 0; r < GROUP; ++r)
+      for (int x = 0; x < W; ++x) _mm512_storeu_ps(o + (r0 + r) * MAX_D + c + 16 * x, acc[r][x]);
+  }
+}
+
+template <int D>
+inline void accumulate_dot(float* o, const float* corr, const float p[ROWS][KEYS], const uint32_t* v, int n) {
+  alignas(64) uint16_t pb[ROWS][KEYS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int x = 0; x < KEYS; x += 32)
+      _mm512_storeu_si512(pb[r] + x, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p[r] + x + 16), _mm512_loadu_ps(p[r] + x)));
+  constexpr int V = D / 16, FULL = V / COLS, REST = V % COLS;
+  const int pairs = (n + 1) / 2;  // an odd n's last pair: p is 0 past n, and V's keys are padded with zeros
+  for (int i = 0; i < FULL; ++i) accumulate_columns_dot<D, COLS>(o, corr, pb, v, pairs, i * COLS * 16);
+  if constexpr (REST > 0) accumulate_columns_dot<D, REST>(o, corr, pb, v, pairs, FULL * COLS * 16);
+}
+#else  // not called in a build without AVX512-BF16 (run's DOT is false)
+template <int D>
+inline void scores_dot(const uint16_t*, const uint32_t*, int64_t, float, float[ROWS][KEYS], int) {}
+template <int D>
+inline void accumulate_dot(float*, const float*, const float[ROWS][KEYS], const uint32_t*, int) {}
+#endif
+
 template <int D, typename E>
 void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, int64_t block_size, int64_t T,
          int64_t ctx, int64_t Hq, int64_t Hkv, float scale, E* out) {
   const int64_t G = Hq / Hkv, first = ctx - T;  // position of the first query
   const int64_t Lk = (ctx + KEY_PAD - 1) / KEY_PAD * KEY_PAD;  // keys, padded with zeros to whole score blocks
-  auto kt_all = at::empty({Hkv, D, Lk}, at::kFloat);
-  float* ktp = kt_all.data_ptr<float>();
-  std::vector<const E*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
   static const E zeros[MAX_D] = {};
+  constexpr bool DOT = MINIPD_PREFILL_BF16_DOT && std::is_same_v<E, uint16_t>;
+  using KT = std::conditional_t<DOT, uint32_t, float>;  // K^T's element: a float, or a pair of bfloat16
+  constexpr int KT_ROWS = DOT ? D / 2 : D;
+  auto kt_all = at::empty({Hkv, KT_ROWS, Lk}, DOT ? at::kInt : at::kFloat);
+  KT* ktp = reinterpret_cast<KT*>(kt_all.data_ptr());
+  std::vector<const E*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
+  auto v_pairs = at::empty({DOT ? Hkv : 0, Lk / 2, D}, at::kInt);  // or, for vdpbf16ps, in pairs of keys
+  uint32_t* vpp = reinterpret_cast<uint32_t*>(v_pairs.data_ptr());
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       for (int64_t j0 = 0; j0 < Lk; j0 += 16) {  // 16 keys at a time: each K^T write is one cache line
@@ -99,38 +186,54 @@ void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, i
           const int64_t j = j0 + jj;
           k[jj] = j < ctx ? k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D : zeros;
         }
-        for (int d = 0; d < D; ++d) {
-          float* dst = ktp + (h * D + d) * Lk + j0;
-          for (int jj = 0; jj < 16; ++jj) dst[jj] = to_float(k[jj][d]);
+        for (int d = 0; d < KT_ROWS; ++d) {
+          KT* dst = ktp + (h * KT_ROWS + d) * Lk + j0;
+          if constexpr (DOT)
+            for (int jj = 0; jj < 16; ++jj) dst[jj] = pair_at(k[jj] + 2 * d);
+          else
+            for (int jj = 0; jj < 16; ++jj) dst[jj] = to_float(k[jj][d]);
         }
       }
       for (int64_t j = 0; j < ctx; ++j)
         v_rows[h * ctx + j] = v_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D;
+      if constexpr (DOT)
+        for (int64_t j = 0; j < Lk; j += 2) {
+          const uint16_t* v0 = j < ctx ? v_rows[h * ctx + j] : zeros;
+          const uint16_t* v1 = j + 1 < ctx ? v_rows[h * ctx + j + 1] : zeros;
+          uint32_t* dst = vpp + (h * Lk + j) / 2 * D;
+          for (int d = 0; d < D; ++d) dst[d] = v0[d] | static_cast<uint32_t>(v1[d]) << 16;
+        }
     }
   });
   const int64_t rows = T * G, tiles = (rows + ROWS - 1) / ROWS;  // rows of one kv head: (position, g)
   at::parallel_for(0, Hkv * tiles, 1, [&](int64_t w0, int64_t w1) {
-    alignas(64) float qt[ROWS * MAX_D], o[ROWS * MAX_D], s[ROWS][KEYS], p[ROWS][KEYS];
+    alignas(64) std::conditional_t<DOT, uint16_t, float> qt[ROWS * MAX_D];  // bfloat16 as it is for vdpbf16ps
+    alignas(64) float o[ROWS * MAX_D], s[ROWS][KEYS], p[ROWS][KEYS];
     float m[ROWS], l[ROWS], corr[ROWS];
     int64_t pos[ROWS];
     for (int64_t w = w0; w < w1; ++w) {
       const int64_t h = w / tiles, row0 = (w % tiles) * ROWS;
       const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
-      for (int r = 0; r < ROWS; ++r) {  // scaled queries; rows past the end are zeros, never stored
+      for (int r = 0; r < ROWS; ++r) {  // scaled queries (vdpbf16ps: scaled scores); rows past the end are zeros, never stored
         const int64_t i = (row0 + std::min(r, n - 1)) / G, g = (row0 + std::min(r, n - 1)) % G;
         const E* src = q + (i * Hq + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? to_float(src[d]) * scale : 0.f;
+        if constexpr (DOT)
+          for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? src[d] : 0;
+        else
+          for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? to_float(src[d]) * scale : 0.f;
         std::fill(o + r * MAX_D, o + r * MAX_D + D, 0.f);
         pos[r] = first + i;
         m[r] = NONE;
         l[r] = 0.f;
       }
       const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
-      const float* kt = ktp + h * D * Lk;
+      const KT* kt = ktp + h * KT_ROWS * Lk;
       const E* const* vh = v_rows.data() + h * ctx;
       for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
         const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
-        for (int c = 0; c < n; c += 2 * L) scores<D>(qt, kt + k0 + c, Lk, s, c);
+        for (int c = 0; c < n; c += 2 * L)
+          if constexpr (DOT) scores_dot<D>(qt, kt + k0 + c, Lk, scale, s, c);
+          else scores<D>(qt, kt + k0 + c, Lk, s, c);
         for (int r = 0; r < ROWS; ++r) {
           const int64_t seen = std::clamp<int64_t>(pos[r] + 1 - k0, 0, KEYS);  // keys this row may see
           if (seen == 0) {
@@ -151,7 +254,8 @@ void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, i
           l[r] = l[r] * corr[r] + minipd_vec::reduce_add(sum);
           m[r] = mx;
         }
-        accumulate<D>(o, corr, p, vh + k0, n);
+        if constexpr (DOT) accumulate_dot<D>(o, corr, p, vpp + (h * Lk + k0) / 2 * D, n);
+        else accumulate<D>(o, corr, p, vh + k0, n);
       }
       for (int r = 0; r < n; ++r) {
         const int64_t i = (row0 + r) / G, g = (row0 + r) % G;
