@@ -74,10 +74,13 @@ def describe(head_dim: int = 64) -> dict:
                       "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
     bf16_blocks = blocks and cpu_kernels.blocked_bfloat16()
     bf16_blocked = f"{blocked}, {bf16_products}, float32 sums; with --no-prepack: "
+    attention_dot = built and cpu_kernels.prefill_bfloat16_dot()
     bf16 = {
-        "prefill_attention": f"minipd paged_prefill ({isa}, float32 sums)" if cpu_kernels.paged_prefill_available(
-            torch.bfloat16, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
-        "decode_attention": decode_attention + (", float32 sums" if built else ""),
+        "prefill_attention": (f"minipd paged_prefill ({isa}, " + ("q.k and p.v in bfloat16 dot products (avx512_bf16), "
+                              "p rounded to bfloat16, " if attention_dot else "") + "float32 sums)")
+        if cpu_kernels.paged_prefill_available(torch.bfloat16, head_dim) else "PyTorch SDPA over the gathered KV",
+        "decode_attention": decode_attention + (", keys' dot products in avx512_bf16" if attention_dot else "")
+        + (", float32 sums" if built else ""),
         "decode_linears": f"{bf16_blocked}small_linear to {cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then "
         f"{many_rows_bf16})" if bf16_blocks
         else f"minipd small_linear ({isa}, {bf16_products}, float32 sums) up to "

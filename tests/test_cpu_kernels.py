@@ -256,7 +256,7 @@ def test_paged_prefill_in_bfloat16_equals_float32_attention_over_the_same_values
     got = torch.ops.minipd.paged_prefill(q, k_cache, v_cache, table, ctx, bs, d**-0.5)
     want = torch.ops.minipd.paged_prefill(q.float(), k_cache.float(), v_cache.float(), table, ctx, bs, d**-0.5)
     assert got.dtype == torch.bfloat16
-    if not cpu_kernels.bfloat16_dot():
+    if not cpu_kernels.prefill_bfloat16_dot():
         assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()  # the float32 result, rounded once
     else:  # vdpbf16ps takes p * V with each p rounded to bfloat16 (2^-9 of p, so of sum p |v| / l at most)
         p_v = torch.ops.minipd.paged_prefill(q.float(), k_cache.float(), v_cache.float().abs(), table, ctx, bs, d**-0.5)

@@ -28,6 +28,8 @@ def test_info_agrees_with_what_the_dispatch_chooses():
     bf16_blocked = cpu_kernels.blocked_linear_in_use() and cpu_kernels.blocked_bfloat16()
     assert bf16_linears.startswith("minipd blocked_linear") == bf16_blocked
     assert ("bfloat16 dot products" in bf16_linears) == (cpu_kernels.bfloat16_dot() and cpu_kernels.small_linear_available())
+    bf16_prefill = got["paths"]["bfloat16"]["prefill_attention"]
+    assert ("dot products" in bf16_prefill) == (cpu_kernels.available() and cpu_kernels.prefill_bfloat16_dot())
     assert got["threads"] == torch.get_num_threads() and got["versions"]["torch"] == torch.__version__
     text = info.render(got)
     assert got["cpu"]["name"] in text and "float32 (default)" in text and "bfloat16" in text

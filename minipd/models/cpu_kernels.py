@@ -73,6 +73,12 @@ def bfloat16_dot() -> bool:
     return available() and bool(torch.ops.minipd.bfloat16_dot())
 
 
+def prefill_bfloat16_dot() -> bool:
+    """Prefill attention multiplies bfloat16 in vdpbf16ps, p rounded to bfloat16 for p * V, and
+    decode attention the keys' dot products (both built for AVX512-BF16); otherwise they widen it."""
+    return available() and bool(torch.ops.minipd.prefill_bfloat16_dot())
+
+
 def blocked_linear_in_use() -> bool:
     """Whether a float32 Linear with prepacked weights holds them in column blocks and multiplies
     them with minipd's blocked_linear at every row count (BLOCKED_ISAS)."""

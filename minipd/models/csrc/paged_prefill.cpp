@@ -306,11 +306,15 @@ at::Tensor paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const a
   return out;
 }
 
+bool prefill_bfloat16_dot() { return MINIPD_PREFILL_BF16_DOT; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int ctx_len, int block_size, "
         "float scale) -> Tensor");
+  m.def("prefill_bfloat16_dot() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(minipd, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
+TORCH_LIBRARY_IMPL(minipd, CompositeExplicitAutograd, m) { m.impl("prefill_bfloat16_dot", &prefill_bfloat16_dot); }
