@@ -93,7 +93,7 @@ class Interrupted(KeyboardInterrupt):
 
 def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: Settings, *,
              switches: list[tuple[float, str, dict]] | None = None, start_label: str | None = None,
-             **extra) -> dict:  # fmt: skip
+             keep_steps: bool = False, **extra) -> dict:  # fmt: skip
     """Switch the server to `body` (minipd only), then play the workload at `rate`. With `switches`
     ([(seconds after the first request, label, /admin/mode body)], switching.parse_switch_at's), the
     server's mode is switched live at those times while the load plays, and the run gets "switches"
@@ -102,7 +102,9 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
     `body` {"mode": "auto"}: the server is set colocated (where `serve --mode auto` starts, whatever
     the run before left), then auto; after the run the advisor's decisions made during it and the
     switches it made are fetched into the run's "advisor" (GET /admin/advisor). A run of the phases
-    workload gets "phases": its numbers per phase and overall (phases.phase_rows)."""
+    workload gets "phases": its numbers per phase and overall (phases.phase_rows). With keep_steps
+    (minipd only), the run gets "step_summary": the engine steps the workers ran during it
+    (validate.step_summary, for `--validate-sim`)."""
     auto = target.is_minipd and body.get("mode") == "auto"
     if auto:
         target.set_mode(AUTO_STARTS_IN)  # turns auto off if it was on: the advisor starts from colocated
@@ -140,6 +142,13 @@ def run_once(target: Target, name: str, label: str, body: dict, rate: float, s: 
     run["request_phases"] = [r.phase for r in requests]  # by request index; results.json puts it in each record
     sent = [r.send_time - requests[r.index].arrival for r in records if r.index < len(requests)]
     run["load_start"] = min(sent, default=started)  # epoch time of arrival offset 0 (the client's clock)
+    if keep_steps and target.is_minipd:
+        from minipd.bench.plan import _steps_since
+        from minipd.sim.validate import step_summary
+
+        time.sleep(0.3)  # the last steps' events reach the log
+        steps = [e for e in _steps_since(target, started) if e["time"] <= started + duration]
+        run["step_summary"] = step_summary(steps, duration, workers_used(body, target.num_workers))
     if auto:
         end = max((r.end_time or r.send_time for r in records), default=time.time())
         run["advisor"] = fetch_advisor(target, auto_since, end, run["load_start"])
@@ -198,12 +207,12 @@ def goodput_search(target: Target, name: str, label: str, body: dict, s: Setting
         return run["summary"]["slo_attainment"] or 0.0
 
     best, probes = distserve_goodput(attainment, lo=lo, hi=hi, tolerance=max(lo / 4, 0.02), max_runs=max_runs)
-    workers = _workers_used(body, target.num_workers)
+    workers = workers_used(body, target.num_workers)
     return {"workload": name, "label": label, "goodput_rate": best, "workers": workers,
             "goodput_per_worker": per_worker(best, workers), "probes": probes, "runs": runs}  # fmt: skip
 
 
-def _workers_used(body: dict, num_workers: int) -> int:
+def workers_used(body: dict, num_workers: int) -> int:
     if body.get("mode") == "disagg":
         return body["prefill_workers"] + body["decode_workers"]
     return body.get("workers") or num_workers

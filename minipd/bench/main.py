@@ -200,7 +200,7 @@ def run(argv=None) -> int:
                         print(f"repeat {i + 1}/{args.repeats} (seed {args.seed + i})", file=sys.stderr)
                     for label, body in modes:
                         runs.append(ex.run_once(target, name, label, body, rate, dataclasses.replace(
-                            settings, seed=args.seed + i), repeat=i))  # fmt: skip
+                            settings, seed=args.seed + i), keep_steps=args.validate_sim, repeat=i))  # fmt: skip
                         _say(runs[-1])
                     if name == "phases":
                         group = [r for r in runs if r["workload"] == name and r["rate"] == rate and r["repeat"] == i]
@@ -406,10 +406,11 @@ def _validate_sim(target, args, settings, runs, searches) -> dict:
     import json
     from pathlib import Path
 
-    from minipd.bench.experiment import parse_mode
+    from minipd.bench.experiment import parse_mode, workers_used
+    from minipd.sim.cluster import Options
     from minipd.sim.measure import measure
     from minipd.sim.runs import sim_goodput, sim_once
-    from minipd.sim.validate import table, validate
+    from minipd.sim.validate import step_summary, table, validate
 
     print("profiling the workers for the simulator…", file=sys.stderr)
     profile = measure(target, quick=args.quick, say=lambda text: print(text, file=sys.stderr))
@@ -421,8 +422,11 @@ def _validate_sim(target, args, settings, runs, searches) -> dict:
         if run.get("mode") not in ("colocated", "chunked", "disagg") or run.get("interrupted"):
             continue  # auto, live switches and other servers are not simulated
         s = dataclasses.replace(settings, seed=run["seed"])
-        pairs.append((run, sim_once(profile, run["workload"], run["label"], run["mode_body"], run["rate"], s,
-                                    target.num_workers)))  # fmt: skip
+        sim = sim_once(profile, run["workload"], run["label"], run["mode_body"], run["rate"], s, target.num_workers,
+                       Options(trace=True))  # fmt: skip
+        steps = [e for e in sim.pop("events") if e["type"] == "step"]
+        sim["step_summary"] = step_summary(steps, sim["duration"], workers_used(run["mode_body"], target.num_workers))
+        pairs.append((run, sim))
     v = validate(pairs)
     v["goodput"] = []
     for found in searches:

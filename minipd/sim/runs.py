@@ -62,6 +62,6 @@ def sim_goodput(profile: Profile, name: str, label: str, body: dict, s: ex.Setti
         return runs[-1]["summary"]["slo_attainment"] or 0.0
 
     best, probes = distserve_goodput(attainment, lo=lo, hi=hi, tolerance=max(lo / 4, 0.02), max_runs=max_runs)
-    workers = ex._workers_used(body, num_workers)
+    workers = ex.workers_used(body, num_workers)
     return {"workload": name, "label": label, "goodput_rate": best, "workers": workers,
             "goodput_per_worker": per_worker(best, workers), "probes": probes, "runs": runs, "simulated": True}  # fmt: skip

@@ -56,6 +56,31 @@ def ttft_parts(run: dict) -> dict[str, float | None]:
     return {k: statistics.median(v) if v else None for k, v in parts.items()}
 
 
+def step_summary(steps: list[dict], duration: float, workers: int) -> dict:
+    """What the workers ran (engine step events, real or simulated, of one run): how many decode-only
+    steps and prompt steps, how big and how long at the median, and the share of the run's time the
+    workers spent stepping. Where the simulated latencies miss while each step's cost holds, these
+    say whether the simulated workers ran other steps than the real ones."""
+    decode = [s for s in steps if s["decodes"] and not s["prefill_tokens"]]
+    prompt = [s for s in steps if s["prefill_tokens"]]
+
+    def median(xs: list[float]) -> float | None:
+        return statistics.median(xs) if xs else None
+
+    return {"decode_steps": len(decode), "decodes_per_step": median([s["decodes"] for s in decode]),
+            "decode_step_ms": median([(s["end"] - s["time"]) * 1e3 for s in decode]),
+            "prompt_steps": len(prompt), "prompt_tokens_per_step": median([s["prefill_tokens"] for s in prompt]),
+            "prompt_step_ms": median([(s["end"] - s["time"]) * 1e3 for s in prompt]),
+            "decodes_beside_prompts": sum(s["decodes"] for s in prompt),
+            "busy": sum(s["end"] - s["time"] for s in steps) / (duration * workers) if duration and workers else None}  # fmt: skip
+
+
+STEP_COLUMNS = (("decode_steps", "decode steps", 0), ("decodes_per_step", "decodes per step p50", 0),
+                ("decode_step_ms", "decode step p50 (ms)", 1), ("prompt_steps", "prompt steps", 0),
+                ("prompt_tokens_per_step", "prompt tokens per step p50", 0), ("prompt_step_ms", "prompt step p50 (ms)", 0),
+                ("decodes_beside_prompts", "decodes beside prompts", 0), ("busy", "workers busy", 2))  # fmt: skip
+
+
 def validate(pairs: list[tuple[dict, dict]]) -> dict:
     """pairs: (real run, simulated run) of the same workload, rate, mode and requests."""
     out = []
@@ -64,7 +89,8 @@ def validate(pairs: list[tuple[dict, dict]]) -> dict:
         graded = [r for r in rows if r["ok"] is not None]
         out.append({"workload": real["workload"], "label": report.label_of(real), "rate": real["rate"], "rows": rows,
                     "within_target": sum(r["ok"] for r in graded), "graded": len(graded),
-                    "ttft_parts": {"measured": ttft_parts(real), "simulated": ttft_parts(sim)}})  # fmt: skip
+                    "ttft_parts": {"measured": ttft_parts(real), "simulated": ttft_parts(sim)},
+                    "steps": {"measured": real.get("step_summary"), "simulated": sim.get("step_summary")}})  # fmt: skip
     return {"targets": "p50 and throughput within 10%, p90 within 20%", "runs": out}
 
 
@@ -83,6 +109,15 @@ def table(v: dict) -> str:
         cells = " | ".join(f"{_num(m[k], 3)} / {_num(s[k], 3)}" for k in ("dispatch", "queue", "prefill", "kv_transfer",
                                                                          "delivery"))  # fmt: skip
         lines.append(f"| {run['workload']} | {run['label']} | {run['rate']:g} | {cells} |")
+    stepped = [run for run in v["runs"] if (run.get("steps") or {}).get("measured") and run["steps"].get("simulated")]
+    if stepped:
+        lines += ["", "What the workers ran (engine steps of the run, measured / simulated):", "",
+                  "| workload | mode | rate | " + " | ".join(name for _, name, _ in STEP_COLUMNS) + " |",
+                  "|---|---|---|" + "---|" * len(STEP_COLUMNS)]  # fmt: skip
+        for run in stepped:
+            m, s = run["steps"]["measured"], run["steps"]["simulated"]
+            cells = " | ".join(f"{_num(m[k], d)} / {_num(s[k], d)}" for k, _, d in STEP_COLUMNS)
+            lines.append(f"| {run['workload']} | {run['label']} | {run['rate']:g} | {cells} |")
     graded = sum(r["graded"] for r in v["runs"])
     ok = sum(r["within_target"] for r in v["runs"])
     lines += ["", f"{ok} of {graded} graded figures within target ({v['targets']})."]
