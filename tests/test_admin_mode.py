@@ -358,3 +358,11 @@ def test_a_body_no_mode_could_take_is_refused_with_the_words_of_a_mode_its_setti
     with pytest.raises(InvalidRequest, match="chunk_tokens must be between"):
         check_whatever_it_meets({"chunk_tokens": 0}, 2)
     check_whatever_it_meets({"local_prefill_tokens": 100}, 2)  # disagg takes it
+
+
+def test_an_unknown_mode_is_refused_naming_every_mode_a_switch_may_ask_for():
+    """Defect (new-user probe): the error listed colocated, chunked and disagg, not auto, which POST
+    /admin/mode takes."""
+    with pytest.raises(InvalidRequest, match="auto"):
+        requested_mode({"mode": "bogus"}, Mode())
+

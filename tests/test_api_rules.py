@@ -154,6 +154,7 @@ async def test_a_huge_prompt_is_refused_without_tokenizing_it(tokenizer, monkeyp
             resp = await client.post(path, json=body)
             err = await error_of(resp)
             assert resp.status == 400 and "maximum context length is 2048" in err["message"]
+            assert ("the prompt has" if "prompt" in body else "the messages have") + " 4,000,000 characters" in err["message"]
             assert time.monotonic() - started < 1.0
         assert calls == []
 
@@ -283,6 +284,15 @@ async def test_message_lists_are_bounded(tokenizer):
             "response_format": {"type": "text"},
         }
         assert (await client.post("/v1/chat/completions", json=ok)).status == 503  # valid: no worker to run it
+
+
+async def test_a_body_that_is_not_utf8_is_named_as_such():
+    """Defect (new-user probe): bytes that are not UTF-8 were answered 'not valid JSON (or nests too deeply)'."""
+    async with api_client() as client:
+        resp = await client.post("/v1/chat/completions", data=b'{"messages":[{"role":"user","content":"\xff\xfe"}]}',
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+        err = await error_of(resp)
+        assert resp.status == 400 and "UTF-8" in err["message"] and "nests" not in err["message"], err
 
 
 async def test_a_body_nested_too_deeply_is_a_400_not_a_500():
@@ -475,7 +485,9 @@ async def test_a_body_that_claims_gzip_but_is_not_is_refused(caplog):
     async with api_client() as client:
         resp = await client.post("/v1/completions", data=b"notgzip",
                                  headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})  # fmt: skip
-        assert resp.status == 400 and "gzip" in (await error_of(resp))["message"]
+        message = (await error_of(resp))["message"]
+        assert resp.status == 400 and "gzip" in message
+        assert "\n" not in message and "message=" not in message and "400," not in message, message  # not aiohttp's text
         assert (await client.get("/v1/models")).status == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 

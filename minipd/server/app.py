@@ -199,7 +199,7 @@ class Api:
                 prompt, text = prompt[-keep:], None
             if len(prompt) >= self.max_model_len:  # refused before the batch's next prompts are tokenized
                 which = f"prompt {i} of {len(given)}" if len(given) > 1 else "prompt"
-                raise p.context_error(self.max_model_len, "prompt", f"{len(prompt)} tokens", which)
+                raise p.context_error(self.max_model_len, "prompt", f"{len(prompt):,} tokens", which)
             prompts.append(prompt)
             texts.append(text)
         echoes = [None] * len(prompts)  # echo: each prompt's text, as given (or its tokens decoded)
@@ -276,7 +276,7 @@ class Api:
         vocab = len(self.tokenizer) if self.tokenizer else None
         for ids in prompts:
             if len(ids) >= self.max_model_len:
-                raise p.context_error(self.max_model_len, prompt_param, f"{len(ids)} tokens")
+                raise p.context_error(self.max_model_len, prompt_param, f"{len(ids):,} tokens")
             if vocab and any(t < 0 or t >= vocab for t in ids):
                 raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
         opts = p.stream_options(body)
@@ -659,10 +659,13 @@ class Api:
         except TimeoutError:  # a client that stopped sending: its connection is not held forever
             raise ApiError(f"the request body did not arrive within {self.body_timeout_s:g} s", 408,
                            code="request_timeout") from None  # fmt: skip
-        except RequestPayloadError as err:  # e.g. Content-Encoding: gzip over bytes that are not gzip
-            raise ApiError(f"the request body could not be read: {str(err).strip()}") from None
+        except RequestPayloadError:  # e.g. Content-Encoding: gzip over bytes that are not gzip
+            how = "read" if encoding == "identity" else f"decoded as {encoding} (its Content-Encoding)"
+            raise ApiError(f"the request body could not be {how}") from None
         try:
             body = json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+        except UnicodeDecodeError:
+            raise ApiError("the request body is not valid UTF-8 (JSON bodies are UTF-8, RFC 8259)") from None
         except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             detail = f": {err}" if isinstance(err, NotJson) else " (or nests too deeply)"
             raise ApiError(f"the request body is not valid JSON{detail}") from None

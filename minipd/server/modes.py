@@ -100,8 +100,9 @@ def requested_mode(body: dict, cur: Mode) -> Mode:
     name = body.get("mode", cur.name)
     if not isinstance(name, str):
         raise InvalidRequest("'mode' must be a string", param="mode")
-    if name not in MODES:
-        raise InvalidRequest(f"mode must be one of {MODES}, got {name!r}", param="mode")
+    if name not in MODES:  # "auto" never reaches here: POST /admin/mode turns the advisor on for it
+        raise InvalidRequest(f"mode must be one of {', '.join(MODES)} or auto (the server chooses), got {name!r}",
+                             param="mode")  # fmt: skip
     fields = {}
     for field in INTEGER_SETTINGS + LINK_SETTINGS:
         default, applies = getattr(DEFAULT_MODE, field), name in APPLIES_TO.get(field, MODES)

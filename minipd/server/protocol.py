@@ -101,7 +101,7 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     context_left = max_model_len - prompt_len
     if context_left < 1:
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your "
-                       f"{prompt_param} has {prompt_len} tokens, which leaves no room for a completion.",
+                       f"{prompt_param} {_has(prompt_param)} {prompt_len:,} tokens, which leaves no room for a completion.",
                        param=prompt_param)  # fmt: skip
     if requested is None:
         max_tokens = min(max_tokens_default, context_left)
@@ -246,8 +246,13 @@ def truncate_prompt_tokens(body: dict, max_model_len: int) -> int | None:
 
 def context_error(max_model_len: int, param: str, what: str, which: str | None = None) -> ApiError:
     """which: how the message names the prompt (default: the param)."""
-    return ApiError(f"This model's maximum context length is {max_model_len} tokens; the {which or param} has "
-                    f"{what}", param=param)  # fmt: skip
+    name = which or param
+    return ApiError(f"This model's maximum context length is {max_model_len} tokens; the {name} {_has(name)} {what}",
+                    param=param)  # fmt: skip
+
+
+def _has(name: str) -> str:
+    return "have" if name == "messages" else "has"
 
 
 def check_prompt_chars(num_chars: int, max_model_len: int, max_token_chars: int, param: str) -> None:
@@ -291,7 +296,7 @@ def _one_prompt(prompt, max_model_len: int, max_token_chars: int, truncated: boo
         check_prompt_chars(len(prompt), max_model_len, max_token_chars, "prompt")
         return check_text(prompt, "prompt")
     if isinstance(prompt, list) and len(prompt) >= max_model_len:
-        raise context_error(max_model_len, "prompt", f"{len(prompt)} tokens")
+        raise context_error(max_model_len, "prompt", f"{len(prompt):,} tokens")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     raise ApiError("'prompt' must be a non-empty string, a list of token ids, or a list of either",
