@@ -98,7 +98,6 @@ inline uint32_t pair_at(const uint16_t* p) {  // two consecutive bfloat16, the f
   std::memcpy(&x, p, sizeof(x));
   return x;
 }
-inline uint32_t pair_at(const float*) { return 0; }  // never called: K^T holds floats there
 
 #if MINIPD_PREFILL_BF16_DOT
 
