@@ -30,7 +30,8 @@ DURATIONS = {"chat-1": 60, "summarize-0.15": 120, "summarize-0.3": 120, "generat
              "generate-1.2-2026-12-04": 80, "generate-2-3-avx512-2026-12-04-first": 60,
              "generate-2-3-avx512-2026-12-04": 60, "chat-2-avx512-2026-12-04": 60,
              "summarize-0.4-avx512-2026-12-04": 120, "mixed-1.5-avx512-2026-12-04": 60,
-             "summarize-0.25-avx512-2026-12-04": 120}  # the runs' --duration
+             "summarize-0.25-avx512-2026-12-04": 120, "chat-3-avx512-2026-12-05-first": 60,
+             "chat-3-avx512-2026-12-05": 60}  # the runs' --duration
 METRICS = ("TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "ITL p50", "ITL p90", "throughput (out tok/s)")
 REFIT_NOTE = ", the step model fitted again on each profile's steps"
 GRADED = (*METRICS, "throughput (req/s)")  # the eight figures graded (the table shows out tok/s for both)
@@ -48,13 +49,15 @@ def main() -> None:
     ap.add_argument("--folder", default="docs/validation")
     ap.add_argument("--refit", action="store_true", help="fit the step model again on each profile's measured steps")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
+    ap.add_argument("--runs", default=None, help="only these runs, FOLDER:DURATION[,...] (default: every run listed here)")
     args = ap.parse_args()
+    runs = DURATIONS if args.runs is None else {f: float(d) for f, _, d in (r.rpartition(":") for r in args.runs.split(","))}
     lines = [f"Simulated again on {platform.python_implementation()} {platform.python_version()} with noise seeds "
              f"0-{args.seeds - 1}{REFIT_NOTE if args.refit else ''}: the median error over the seeds, [lowest, highest]; bold: the median outside "
              "the target (p50 and throughput within 10%, p90 within 20%).", "",
              "| run | mode | " + " | ".join(m.replace("throughput (out tok/s)", "out tok/s") for m in METRICS)
              + " | within target (median) |", "|---|---|" + "---|" * (len(METRICS) + 1)]  # fmt: skip
-    for folder, duration in DURATIONS.items():
+    for folder, duration in runs.items():
         v = json.loads((Path(args.folder) / folder / "validation.json").read_text())
         profile = Profile.from_dict(json.loads((Path(args.folder) / folder / "profile.json").read_text()))
         if args.refit:

@@ -106,6 +106,7 @@ class SimWorker:
         self.steps = 0
         self.hold_s = 0.0  # the loop copies KV out (shm writes in place) before its next step
         self.in_step = False
+        self.prompt_share = 0.0  # of the step under way's time, its prompt tokens' (as box mates slow it)
         self.link_free_at = 0.0  # its outgoing KV link is busy until then
         self.box: list[SimWorker] = [self]  # the workers sharing this one's machine (the simulation sets it)
         self.rng = random.Random(f"{sim.options.seed}:{worker_id}")  # its own: a run's draws are its steps' draws
@@ -151,10 +152,16 @@ class SimWorker:
                 self.stepping = False
                 return
             s = batch.shape()
-            busy = 0.0
+            busy = busy_prompt = 0.0
             if len(self.box) > 1 and step.slowed_by_co_runners():
-                busy = sum(w.in_step for w in self.box if w is not self) / (len(self.box) - 1)
-            seconds = step.co_run_seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context, busy)
+                mates = [w for w in self.box if w is not self and w.in_step]
+                busy = len(mates) / (len(self.box) - 1)
+                busy_prompt = sum(w.prompt_share for w in mates) / (len(self.box) - 1)
+                alone = step.seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context)
+                prompt = s.prefill_tokens * step.per_prefill_token + s.prefill_attention * step.per_attention_pair
+                self.prompt_share = prompt / alone if alone > 0 else 0.0
+            seconds = step.co_run_seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context, busy,
+                                          busy_prompt)  # fmt: skip
             if step.noise:
                 seconds *= draw(step.noise, self.rng.random())
             started, end = sim.now, sim.now + seconds

@@ -197,7 +197,7 @@ def profile_note(profile) -> str:
     return (f"## How this was made\n\n{what}. Step time = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us per "
             f"prompt token + {s.per_attention_pair * 1e9:.3f} ns per (query, key) pair + {s.per_decode * 1e3:.3f} ms per "
             f"decode{s.bends_text(' per ')} (+ {s.per_mixed_decode * 1e3:.3f} ms beside prompt tokens) + {s.per_decode_context * 1e6:.3f} us per token of "
-            f"decode context, x (1 + {s.co_runner:.2f} x the share of co-located workers stepping{s.co_prompt_text()}); {s.gap * 1e3:.2f} ms between "
+            f"decode context, {s.co_runner_text()}; {s.gap * 1e3:.2f} ms between "
             f"steps. Host: {profile.host.dispatch_s * 1e3:.1f} ms to place a request, {profile.host.token_s * 1e3:.1f} ms "
             f"from a step's end to the client. Links: " + ", ".join(
                 f"{k} {v.latency_s * 1e3:.2f} ms + {v.bytes_per_s * 8 / 1e9:.2f} Gb/s" for k, v in profile.links.items()))  # fmt: skip

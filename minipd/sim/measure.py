@@ -1,6 +1,7 @@
 """Measuring a profile on real workers: a few loads that cover the step model's terms (prompts of
 several lengths read alone, decode batches of several sizes and contexts, prompt chunks beside
-decodes, KV handoffs of several sizes), through a running minipd server, with every engine step
+decodes, KV handoffs of several sizes, every worker at once and prompts on one worker beside
+replies on another), through a running minipd server, with every engine step
 read back from GET /admin/events. Nothing here is fitted to the runs a simulation is checked on."""
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
             kv = (r.server_timeline or {}).get("kv_transfer") or {}
             if kv.get("bytes") and kv.get("seconds"):
                 transfers.append((kv["bytes"], kv["seconds"]))
+        say("profile: prompts on one worker beside replies on the other")  # what slows what: arithmetic, memory
+        load([BenchRequest(i, 64, 8 * out_len, 0.0) for i in range(4)] +
+             [BenchRequest(4 + i, L, 2, 0.3 * (i + 1)) for i, L in enumerate(lengths[1:])])  # fmt: skip
     time.sleep(0.3)  # the last steps' events reach the log
     steps = _steps_since(target, since)
     return build(target, steps, records, transfers, quick, alone)

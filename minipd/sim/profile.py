@@ -57,9 +57,16 @@ class StepCost:
     per_mixed_decode: float = 0.0  # what a decode adds beyond per_decode in a step that also reads prompt tokens
     gap: float = 0.0  # the worker's loop between two steps (messages, sending tokens)
     noise: list[float] = field(default_factory=list)  # quantiles of measured / modelled step time ([]: none)
-    co_runner: float = 0.0  # a step is (1 + co_runner x b) slower, b the share of the box's other workers stepping
-    # the same for the step's prompt tokens (bound by arithmetic, where decodes are bound by memory); None: co_runner
+    # A step's time past its prompt tokens (bound by memory) is (1 + co_runner x b) longer, b the share of the
+    # box's other workers stepping past their own prompt tokens meanwhile (reading weights and KV too), and
+    # (1 + co_runner_by_prompts x p) longer, p the share they spent on prompt tokens (bound by arithmetic);
+    # co_runner_prompt and co_runner_prompt_by_prompts the same for the step's prompt tokens. None: the
+    # factor it stands beside (co_runner_by_prompts: co_runner; co_runner_prompt_by_prompts:
+    # co_runner_prompt; co_runner_prompt: co_runner), where the profile saw no steps to tell them apart.
+    co_runner: float = 0.0
     co_runner_prompt: float | None = None
+    co_runner_by_prompts: float | None = None
+    co_runner_prompt_by_prompts: float | None = None
     # [[batch, rate], ...], batches rising: each decode past `batch` in a step costs `rate` (not per_decode)
     decode_bends: list[list[float]] = field(default_factory=list)
 
@@ -69,21 +76,39 @@ class StepCost:
                 + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
 
     def co_run_seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int,
-                       busy: float) -> float:  # fmt: skip
-        """seconds(), with a share `busy` of the box's other workers stepping meanwhile."""
+                       busy: float, busy_prompt: float = 0.0) -> float:  # fmt: skip
+        """seconds(), with a share `busy` of the box's other workers stepping meanwhile, `busy_prompt`
+        of it on their prompt tokens."""
         alone = self.seconds(prefill_tokens, prefill_attention, decodes, decode_context)
         if not busy:
             return alone
         prompt = prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
-        co_prompt = self.co_runner if self.co_runner_prompt is None else self.co_runner_prompt
-        return (alone - prompt) * (1 + self.co_runner * busy) + prompt * (1 + co_prompt * busy)
+        rest_by_rest, rest_by_prompts, prompt_by_rest, prompt_by_prompts = self.co_factors()
+        busy_rest = busy - busy_prompt
+        return ((alone - prompt) * (1 + rest_by_rest * busy_rest + rest_by_prompts * busy_prompt)
+                + prompt * (1 + prompt_by_rest * busy_rest + prompt_by_prompts * busy_prompt))  # fmt: skip
 
-    def co_prompt_text(self) -> str:
-        """'; prompt tokens 0.04 x', or '' where they are slowed as the rest."""
-        return "" if self.co_runner_prompt is None else f"; prompt tokens {self.co_runner_prompt:.2f} x"
+    def co_factors(self) -> tuple[float, float, float, float]:
+        """(the rest beside the rest, the rest beside prompts, prompts beside the rest, prompts beside
+        prompts), each None resolved to the factor it stands beside."""
+        rest_by_prompts = self.co_runner if self.co_runner_by_prompts is None else self.co_runner_by_prompts
+        prompt_by_rest = self.co_runner if self.co_runner_prompt is None else self.co_runner_prompt
+        prompt_by_prompts = prompt_by_rest if self.co_runner_prompt_by_prompts is None else self.co_runner_prompt_by_prompts
+        return self.co_runner, rest_by_prompts, prompt_by_rest, prompt_by_prompts
+
+    def co_runner_text(self) -> str:
+        """How co-runners slow a step, in words: 'x (1 + 0.26 x the share of co-located workers
+        stepping)', with the factors that differ by what is slowed and what slows it."""
+        rr, rp, pr, pp = self.co_factors()
+        if rr == rp == pr == pp:
+            return f"x (1 + {rr:.2f} x the share of co-located workers stepping)"
+        if rr == rp and pr == pp:
+            return f"x (1 + {rr:.2f} x the share of co-located workers stepping; prompt tokens {pr:.2f} x)"
+        return (f"x (1 + {rr:.2f} x the share of co-located workers stepping past their prompt tokens + {rp:.2f} x "
+                f"the share on prompt tokens; prompt tokens {pr:.2f} x and {pp:.2f} x)")  # fmt: skip
 
     def slowed_by_co_runners(self) -> bool:
-        return bool(self.co_runner or self.co_runner_prompt)
+        return any(self.co_factors())
 
     def decodes_seconds(self, decodes: int) -> float:
         """What the step's `decodes` cost on their own (not their context): per_decode each up to the
@@ -266,8 +291,10 @@ def _check_fields(where: str, section, part) -> None:
 def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     """Fit the step model on step events ({prefill_tokens, prefill_attention, decodes, decode_context,
     time, end}, and `co_busy`: the share of the box's other workers stepping meanwhile, 0 if absent).
-    The linear terms come from steps that ran alone (co_busy < 0.1), the co-runner slowdown from the
-    others; returns the model and its quality (relative errors on the steps it was fitted on)."""
+    The linear terms come from steps that ran alone (co_busy < 0.1), the co-runner slowdowns from the
+    others (what of their time went on prompt tokens told from the rest by the linear terms, which
+    needs each step's `worker`); returns the model and its quality (relative errors on the steps it
+    was fitted on)."""
     ys = np.array([s["end"] - s["time"] for s in steps])
     busy = np.array([s.get("co_busy", 0.0) for s in steps])
     keep = ys > 0
@@ -282,26 +309,57 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     base = xs @ coef
     prompt_terms = [TERMS.index("per_prefill_token"), TERMS.index("per_attention_pair")]
     prompt = xs[:, prompt_terms] @ coef[prompt_terms]  # the prompt tokens' share of each step
-    co_runner, co_prompt = 0.0, None
-    shared = ~alone & (base > 0)
-    if shared.sum() >= 5:  # least squares of y / base - 1 = (k * rest + k_prompt * prompt) / base * busy
-        b, r = busy[shared], ys[shared] / base[shared] - 1
-        rest_share, prompt_share = b * (base - prompt)[shared] / base[shared], b * prompt[shared] / base[shared]
-        mostly_prompt = prompt[shared] > 0.5 * base[shared]
-        if mostly_prompt.sum() >= 3 and (~mostly_prompt).sum() >= 3:  # each factor seen on steps of its own kind
-            co_runner, co_prompt = map(float, nonnegative_lstsq(np.column_stack([rest_share, prompt_share]), r))
-        else:
-            co_runner = max(0.0, float(np.sum(b * r) / np.sum(b * b)))
+    busy_prompt = np.zeros(len(steps))
+    if busy.any() and all("worker" in s for s in steps):
+        share = np.divide(prompt, base, out=np.zeros(len(steps)), where=base > 0)
+        busy_prompt = np.minimum(busy, co_overlap(steps, share))
+    factors = fit_co_runners(ys, base, prompt, busy, busy_prompt, alone)
     rates = [float(c) for c in coef[len(TERMS):]]
-    cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), co_runner=co_runner, co_runner_prompt=co_prompt,
+    cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), **factors,
                     decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates))  # fmt: skip
     predicted = np.array([cost.co_run_seconds(s["prefill_tokens"], s["prefill_attention"], s["decodes"],
-                                              s["decode_context"], u) for s, u in zip(steps, busy)])  # fmt: skip
+                                              s["decode_context"], u, p) for s, u, p in zip(steps, busy, busy_prompt)])  # fmt: skip
     rel = np.abs(predicted - ys) / ys
     quality = {"steps": int(len(ys)), "alone": int(alone.sum()), "median_abs_rel_error": float(np.median(rel)),
                "p90_abs_rel_error": float(np.percentile(rel, 90))}  # fmt: skip
     cost.noise = quantiles(ys / np.maximum(predicted, 1e-9)) if np.all(predicted > 0) else []
     return cost, quality
+
+
+CO_EVIDENCE = 3  # steps in which a co-runner factor's term is most of the slowdown, before it is fitted apart
+
+
+def fit_co_runners(ys, base, prompt, busy, busy_prompt, alone) -> dict:
+    """StepCost's co-runner factors by least squares of y / base - 1 = the four factors, each times
+    its part of the step (the rest or the prompt tokens, as a share of base) and the co-runners' busy
+    share (past their prompt tokens, or on them). A factor is fitted apart only where at least
+    CO_EVIDENCE steps show mostly its term; else it is the one it stands beside: the rest's two
+    factors as one, the prompt's two as one, and all four as one where either kind of step never
+    ran beside another (a review found decode steps slowed 20x by a fit that guessed them)."""
+    shared = ~alone & (base > 0)
+    out = {"co_runner": 0.0, "co_runner_prompt": None, "co_runner_by_prompts": None, "co_runner_prompt_by_prompts": None}
+    if shared.sum() < 5:
+        return out
+    b, bp, r = busy[shared], busy_prompt[shared], ys[shared] / base[shared] - 1
+    rest_part, prompt_part = (base - prompt)[shared] / base[shared], prompt[shared] / base[shared]
+    terms = np.column_stack([rest_part * (b - bp), rest_part * bp, prompt_part * (b - bp), prompt_part * bp])
+    seen = (terms >= 0.5 * terms.sum(axis=1, keepdims=True)) & (terms > 0)
+    has = seen.sum(axis=0) >= CO_EVIDENCE
+    if not (has[0] or has[1]) or not (has[2] or has[3]):
+        groups = [[0, 1, 2, 3]]
+    else:
+        groups = [[0, 1]] if not (has[0] and has[1]) else [[0], [1]]
+        groups += [[2, 3]] if not (has[2] and has[3]) else [[2], [3]]
+    k = nonnegative_lstsq(np.column_stack([terms[:, g].sum(axis=1) for g in groups]), r)
+    factor = {i: float(k[j]) for j, g in enumerate(groups) for i in g}
+    out["co_runner"] = factor[0]
+    if len(groups) > 1:
+        out["co_runner_prompt"] = factor[2]
+        if len(groups[0]) == 1:
+            out["co_runner_by_prompts"] = factor[1]
+        if len(groups[-1]) == 1:
+            out["co_runner_prompt_by_prompts"] = factor[3]
+    return out
 
 
 def bends_to_fit(decodes: list[int]) -> list[int]:
@@ -332,27 +390,36 @@ def _merge_bends(first: float, bends: list[int], rates: list[float]) -> list[lis
 def co_busy(steps: list[dict]) -> None:
     """Mark each step event with `co_busy`: how much of its time the other workers (of one box) spent
     stepping, averaged over them (0: it ran alone; 1: every other worker stepped all along)."""
+    for s, busy in zip(steps, co_overlap(steps, [1.0] * len(steps))):
+        s["co_busy"] = busy
+
+
+def co_overlap(steps: list[dict], weights) -> list[float]:
+    """For each step, the other workers' (of one box) time stepping meanwhile, each of their steps
+    counted at its weight (1: all of it), as a share of the step's time, averaged over them."""
     by_worker: dict = {}
-    for s in steps:
-        by_worker.setdefault(s["worker"], []).append((s["time"], s["end"]))
+    for s, weight in zip(steps, weights):
+        by_worker.setdefault(s["worker"], []).append((s["time"], s["end"], weight))
     for spans in by_worker.values():
         spans.sort()
     others = len(by_worker) - 1
-    longest = max((b - a for spans in by_worker.values() for a, b in spans), default=0.0)
+    longest = max((b - a for spans in by_worker.values() for a, b, _ in spans), default=0.0)
+    out = []
     for s in steps:
         if others <= 0 or s["end"] <= s["time"]:
-            s["co_busy"] = 0.0
+            out.append(0.0)
             continue
         total = 0.0
         for w, spans in by_worker.items():
             if w == s["worker"]:
                 continue
-            i = bisect.bisect_left(spans, (s["time"] - longest, 0.0))
-            for a, b in spans[i:]:
+            i = bisect.bisect_left(spans, (s["time"] - longest, 0.0, 0.0))
+            for a, b, weight in spans[i:]:
                 if a >= s["end"]:
                     break
-                total += max(0.0, min(b, s["end"]) - max(a, s["time"]))
-        s["co_busy"] = total / (others * (s["end"] - s["time"]))
+                total += weight * max(0.0, min(b, s["end"]) - max(a, s["time"]))
+        out.append(total / (others * (s["end"] - s["time"])))
+    return out
 
 
 def loop_gap(steps: list[dict], cap_s: float = GAP_CAP_S) -> float:

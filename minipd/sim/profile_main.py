@@ -69,7 +69,7 @@ def describe(profile) -> str:
     lines = [f"step = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us/prompt token + "
              f"{s.per_attention_pair * 1e9:.3f} ns/(query, key) pair + {s.per_decode * 1e3:.3f} ms/decode{s.bends_text()} + "
              f"{s.per_decode_context * 1e6:.3f} us/decode context token (+ {s.per_mixed_decode * 1e3:.3f} ms/decode beside prompt "
-             f"tokens), x (1 + {s.co_runner:.2f} x share of other workers stepping{s.co_prompt_text()}); {s.gap * 1e3:.2f} ms between steps",
+             f"tokens), {s.co_runner_text()}; {s.gap * 1e3:.2f} ms between steps",
              f"  fitted on {fit.get('steps', '?')} steps: median error {fit.get('median_abs_rel_error', float('nan')):.1%}, "
              f"p90 {fit.get('p90_abs_rel_error', float('nan')):.1%}",
              f"host: {profile.host.dispatch_s * 1e3:.1f} ms to place a request, {profile.host.token_s * 1e3:.1f} ms from a "
