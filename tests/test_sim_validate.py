@@ -49,15 +49,15 @@ def test_validate_sim_compares_every_mode_and_metric(tmp_path):
 def test_step_summary_counts_what_the_workers_ran():
     from minipd.sim.validate import step_summary
 
-    steps = [{"time": 0.0, "end": 0.3, "prefill_tokens": 500, "decodes": 0},  # a prompt alone
-             {"time": 0.3, "end": 0.32, "prefill_tokens": 0, "decodes": 2},
-             {"time": 0.32, "end": 0.35, "prefill_tokens": 0, "decodes": 4},
-             {"time": 0.35, "end": 0.36, "prefill_tokens": 0, "decodes": 6},
-             {"time": 0.0, "end": 0.1, "prefill_tokens": 100, "decodes": 3}]  # a prompt beside 3 decodes  # fmt: skip
+    steps = [{"worker": 0, "time": 0.0, "end": 0.3, "prefill_tokens": 500, "decodes": 0},  # a prompt alone
+             {"worker": 0, "time": 0.3, "end": 0.32, "prefill_tokens": 0, "decodes": 2},
+             {"worker": 0, "time": 0.32, "end": 0.35, "prefill_tokens": 0, "decodes": 4},
+             {"worker": 0, "time": 0.35, "end": 0.36, "prefill_tokens": 0, "decodes": 6},
+             {"worker": 1, "time": 0.0, "end": 0.1, "prefill_tokens": 100, "decodes": 3}]  # a prompt beside 3 decodes  # fmt: skip
     got = step_summary(steps, duration=1.0, workers=2)
     assert got["decode_steps"] == 3 and got["decodes_per_step"] == 4
     assert abs(got["decode_step_ms"] - 20.0) < 1e-9
     assert got["prompt_steps"] == 2 and got["prompt_tokens_per_step"] == 300 and got["decodes_beside_prompts"] == 3
     assert abs(got["prompt_step_ms"] - 200.0) < 1e-9
-    assert abs(got["busy"] - 0.46 / 2) < 1e-9
+    assert abs(got["busy"] - 0.46 / 2) < 1e-9 and abs(got["busiest"] - 0.36) < 1e-9
     assert step_summary([], 1.0, 2)["decode_step_ms"] is None

@@ -63,6 +63,9 @@ def step_summary(steps: list[dict], duration: float, workers: int) -> dict:
     say whether the simulated workers ran other steps than the real ones."""
     decode = [s for s in steps if s["decodes"] and not s["prefill_tokens"]]
     prompt = [s for s in steps if s["prefill_tokens"]]
+    by_worker: dict = {}  # time each worker spent stepping (the busiest one's queue grows steepest)
+    for s in steps:
+        by_worker[s["worker"]] = by_worker.get(s["worker"], 0.0) + s["end"] - s["time"]
 
     def median(xs: list[float]) -> float | None:
         return statistics.median(xs) if xs else None
@@ -72,13 +75,14 @@ def step_summary(steps: list[dict], duration: float, workers: int) -> dict:
             "prompt_steps": len(prompt), "prompt_tokens_per_step": median([s["prefill_tokens"] for s in prompt]),
             "prompt_step_ms": median([(s["end"] - s["time"]) * 1e3 for s in prompt]),
             "decodes_beside_prompts": sum(s["decodes"] for s in prompt),
-            "busy": sum(s["end"] - s["time"] for s in steps) / (duration * workers) if duration and workers else None}  # fmt: skip
+            "busy": sum(s["end"] - s["time"] for s in steps) / (duration * workers) if duration and workers else None,
+            "busiest": max(by_worker.values()) / duration if duration and by_worker else None}  # fmt: skip
 
 
 STEP_COLUMNS = (("decode_steps", "decode steps", 0), ("decodes_per_step", "decodes per step p50", 0),
                 ("decode_step_ms", "decode step p50 (ms)", 1), ("prompt_steps", "prompt steps", 0),
                 ("prompt_tokens_per_step", "prompt tokens per step p50", 0), ("prompt_step_ms", "prompt step p50 (ms)", 0),
-                ("decodes_beside_prompts", "decodes beside prompts", 0), ("busy", "workers busy", 2))  # fmt: skip
+                ("decodes_beside_prompts", "decodes beside prompts", 0), ("busy", "workers busy", 2), ("busiest", "busiest worker busy", 2))  # fmt: skip
 
 
 def validate(pairs: list[tuple[dict, dict]]) -> dict:
@@ -116,7 +120,7 @@ def table(v: dict) -> str:
                   "|---|---|---|" + "---|" * len(STEP_COLUMNS)]  # fmt: skip
         for run in stepped:
             m, s = run["steps"]["measured"], run["steps"]["simulated"]
-            cells = " | ".join(f"{_num(m[k], d)} / {_num(s[k], d)}" for k, _, d in STEP_COLUMNS)
+            cells = " | ".join(f"{_num(m.get(k), d)} / {_num(s.get(k), d)}" for k, _, d in STEP_COLUMNS)
             lines.append(f"| {run['workload']} | {run['label']} | {run['rate']:g} | {cells} |")
     graded = sum(r["graded"] for r in v["runs"])
     ok = sum(r["within_target"] for r in v["runs"])
