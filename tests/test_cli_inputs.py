@@ -53,7 +53,8 @@ def test_bad_numbers_and_names_are_refused_with_a_message(argv, says, capsys):
 
 def test_a_profile_no_measurement_could_give_is_refused(tmp_path, capsys):
     for bad in ({"fixed": float("nan")}, {"per_decode": -0.5}, {"fixed": "fast"}, {"decode_bends": [[7.5, 1e-3]]},
-                {"decode_bends": [[8, 1e-3], [4, 1e-3]]}, {"decode_bends": [[8, -1.0]]}, {"decode_bends": 8}, {"co_runner_prompt": -0.1}):
+                {"decode_bends": [[8, 1e-3], [4, 1e-3]]}, {"decode_bends": [[8, -1.0]]}, {"decode_bends": 8}, {"co_runner_prompt": -0.1},
+                {"co_runner_by_prompts": float("nan")}, {"co_runner_prompt_by_prompts": -5}):
         path = write_profile(tmp_path, **bad)
         with pytest.raises(SystemExit) as e:
             main(["sim", "--profile", path, "--quick", "--out", str(tmp_path / "out")])

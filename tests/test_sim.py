@@ -415,9 +415,46 @@ def test_a_step_is_slowed_by_what_the_other_worker_steps_on_not_only_by_its_step
     assert got.co_run_seconds(0, 0, 50, 0, 1.0, 1.0) == pytest.approx(decode * (1 + rest_by_prompts))
 
 
+def test_a_profile_without_the_kind_apart_factors_slows_every_step_as_before():
+    rng = np.random.default_rng(3)
+    for _ in range(2000):
+        k, kp = float(rng.uniform(0, 1)), float(rng.uniform(0, 0.2))
+        cost = StepCost(float(rng.uniform(0.001, 0.03)), 2e-3, 1e-9, 2e-3, 1e-6, co_runner=k, co_runner_prompt=kp)
+        p, d, busy = int(rng.integers(0, 2000)), int(rng.integers(0, 32)), float(rng.uniform(0, 1))
+        alone = cost.seconds(p, p * p // 2, d, 1000)
+        prompt = p * 2e-3 + p * p // 2 * 1e-9
+        before = (alone - prompt) * (1 + k * busy) + prompt * (1 + kp * busy)  # one factor per part, whatever the mates ran
+        assert cost.co_run_seconds(p, p * p // 2, d, 1000, busy, float(rng.uniform(0, busy))) == before
+
+
+def test_steps_partly_prompt_beside_mates_partly_on_prompts_still_tell_a_prompt_from_a_decode():
+    """Review: a prompt step that is 80% prompt tokens beside a mate's step that is about half prompt
+    has no term that is most of its slowdown; the kinds are told by the step's own part first."""
+    from minipd.sim.profile import co_busy
+
+    truth = StepCost(0.01, 1e-3, 0.0, 2e-3, 0.0)
+    steps, t = [], 0.0
+    for i in range(20):  # alone: prompts and decodes of several sizes
+        p, d = (30 + 10 * (i % 4), 0) if i % 2 else (0, 1 + i % 5)
+        steps.append({"worker": 0, "time": t, "end": t + truth.seconds(p, 0, d, 0), "prefill_tokens": p,
+                      "prefill_attention": 0, "decodes": d, "decode_context": 0})  # fmt: skip
+        t += 1.0
+    for i in range(12):  # both at once, as long alone: a 40-token prompt (80% prompt) beside 24 tokens and 8 decodes (48%)
+        pair = [(40, 0), (24, 8)] if i % 2 else [(0, 5), (0, 5)]  # or decodes beside decodes
+        for w, (p, d) in enumerate(pair):
+            alone = truth.seconds(p, 0, d, 0)
+            took = (alone - 1e-3 * p) * 1.25 + 1e-3 * p * 1.04
+            steps.append({"worker": w, "time": t, "end": t + took, "prefill_tokens": p, "prefill_attention": 0,
+                          "decodes": d, "decode_context": 0})  # fmt: skip
+        t += 1.0
+    co_busy(steps)
+    got, _ = fit_steps(steps)
+    assert got.co_runner == pytest.approx(0.25, abs=0.02) and got.co_runner_prompt == pytest.approx(0.04, abs=0.02)
+
+
 def test_a_simulated_decode_worker_is_slowed_by_its_box_mate_as_the_profile_says_by_what_it_steps():
     reqs = [BenchRequest(0, 20, 40, 0.0), BenchRequest(1, 3000, 2, 0.05)]  # a reply decodes while a long prompt is read
-    steps_beside_prompt = {}
+    steps_beside_prompt, steps_after = {}, []
     for by_prompts in (0.0, 0.5):
         step = StepCost(**{**{k: getattr(STEP, k) for k in STEP.__slots__}, "co_runner": 0.5,
                            "co_runner_by_prompts": by_prompts})  # fmt: skip
@@ -430,9 +467,12 @@ def test_a_simulated_decode_worker_is_slowed_by_its_box_mate_as_the_profile_says
                   and prompts[0]["time"] < e["time"] < prompts[0]["end"]]  # fmt: skip
         assert beside
         steps_beside_prompt[by_prompts] = beside
+        steps_after += [e["end"] - e["time"] for e in sim.events if e["type"] == "step" and e["decodes"]
+                        and not e["prefill_tokens"] and e["time"] >= prompts[0]["end"]]  # fmt: skip
     alone, share = STEP.seconds(0, 0, 1, 0), 3000 * STEP.per_prefill_token / STEP.seconds(3000, 0, 0, 0)
     for by_prompts, beside in steps_beside_prompt.items():  # the prompt step's own fixed part reads weights
         assert all(d == pytest.approx(alone * (1 + 0.5 * (1 - share) + by_prompts * share)) for d in beside)
+    assert steps_after and all(d == pytest.approx(alone) for d in steps_after)  # the mate idle again: as alone
 
 
 def test_profile_and_plan_refuse_what_they_cannot_read(tmp_path, capsys):

@@ -81,8 +81,8 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
             if kv.get("bytes") and kv.get("seconds"):
                 transfers.append((kv["bytes"], kv["seconds"]))
         say("profile: prompts on one worker beside replies on the other")  # what slows what: arithmetic, memory
-        load([BenchRequest(i, 64, 8 * out_len, 0.0) for i in range(4)] +
-             [BenchRequest(4 + i, L, 2, 0.3 * (i + 1)) for i, L in enumerate(lengths[1:])])  # fmt: skip
+        load([BenchRequest(i, 64, 16 * out_len, 0.0) for i in range(4)] +
+             [BenchRequest(4 + i, L, 2, 0.3 * (i + 1)) for i, L in enumerate(lengths[1:] * 2)])  # fmt: skip
     time.sleep(0.3)  # the last steps' events reach the log
     steps = _steps_since(target, since)
     return build(target, steps, records, transfers, quick, alone)

@@ -84,9 +84,9 @@ class StepCost:
             return alone
         prompt = prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
         rest_by_rest, rest_by_prompts, prompt_by_rest, prompt_by_prompts = self.co_factors()
-        busy_rest = busy - busy_prompt
-        return ((alone - prompt) * (1 + rest_by_rest * busy_rest + rest_by_prompts * busy_prompt)
-                + prompt * (1 + prompt_by_rest * busy_rest + prompt_by_prompts * busy_prompt))  # fmt: skip
+        # written so that equal factors give what one factor times `busy` gives, to the last bit
+        return ((alone - prompt) * (1 + rest_by_rest * busy + (rest_by_prompts - rest_by_rest) * busy_prompt)
+                + prompt * (1 + prompt_by_rest * busy + (prompt_by_prompts - prompt_by_rest) * busy_prompt))  # fmt: skip
 
     def co_factors(self) -> tuple[float, float, float, float]:
         """(the rest beside the rest, the rest beside prompts, prompts beside the rest, prompts beside
@@ -99,13 +99,13 @@ class StepCost:
     def co_runner_text(self) -> str:
         """How co-runners slow a step, in words: 'x (1 + 0.26 x the share of co-located workers
         stepping)', with the factors that differ by what is slowed and what slows it."""
-        rr, rp, pr, pp = self.co_factors()
+        rr, rp, pr, pp = (f"{k:.2f}" for k in self.co_factors())
         if rr == rp == pr == pp:
-            return f"x (1 + {rr:.2f} x the share of co-located workers stepping)"
+            return f"x (1 + {rr} x the share of co-located workers stepping)"
         if rr == rp and pr == pp:
-            return f"x (1 + {rr:.2f} x the share of co-located workers stepping; prompt tokens {pr:.2f} x)"
-        return (f"x (1 + {rr:.2f} x the share of co-located workers stepping past their prompt tokens + {rp:.2f} x "
-                f"the share on prompt tokens; prompt tokens {pr:.2f} x and {pp:.2f} x)")  # fmt: skip
+            return f"x (1 + {rr} x the share of co-located workers stepping; prompt tokens {pr} x)"
+        return (f"x (1 + {rr} x the share of co-located workers stepping past their prompt tokens + {rp} x the "
+                f"share on prompt tokens; prompt tokens {pr} x and {pp} x)")  # fmt: skip
 
     def slowed_by_co_runners(self) -> bool:
         return any(self.co_factors())
@@ -228,8 +228,9 @@ class Profile:
 
         for name in (*TERMS, "gap", "co_runner"):
             number(f"step.{name}", getattr(self.step, name))
-        if self.step.co_runner_prompt is not None:
-            number("step.co_runner_prompt", self.step.co_runner_prompt)
+        for name in ("co_runner_prompt", "co_runner_by_prompts", "co_runner_prompt_by_prompts"):
+            if getattr(self.step, name) is not None:
+                number(f"step.{name}", getattr(self.step, name))
         bends = self.step.decode_bends
         if not isinstance(bends, list) or not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in bends):
             raise ValueError(f"step.decode_bends must be a list of [batch, seconds per decode], got {bends!r}")
@@ -333,9 +334,10 @@ def fit_co_runners(ys, base, prompt, busy, busy_prompt, alone) -> dict:
     """StepCost's co-runner factors by least squares of y / base - 1 = the four factors, each times
     its part of the step (the rest or the prompt tokens, as a share of base) and the co-runners' busy
     share (past their prompt tokens, or on them). A factor is fitted apart only where at least
-    CO_EVIDENCE steps show mostly its term; else it is the one it stands beside: the rest's two
-    factors as one, the prompt's two as one, and all four as one where either kind of step never
-    ran beside another (a review found decode steps slowed 20x by a fit that guessed them)."""
+    CO_EVIDENCE steps are of its kind (mostly prompt or mostly the rest, beside mates mostly on
+    prompts or mostly past them); else it is the one it stands beside: the rest's two factors as one,
+    the prompt's two as one, and all four as one where either kind of step never ran beside another
+    (a review found decode steps slowed 20x by a fit that guessed them)."""
     shared = ~alone & (base > 0)
     out = {"co_runner": 0.0, "co_runner_prompt": None, "co_runner_by_prompts": None, "co_runner_prompt_by_prompts": None}
     if shared.sum() < 5:
@@ -343,8 +345,10 @@ def fit_co_runners(ys, base, prompt, busy, busy_prompt, alone) -> dict:
     b, bp, r = busy[shared], busy_prompt[shared], ys[shared] / base[shared] - 1
     rest_part, prompt_part = (base - prompt)[shared] / base[shared], prompt[shared] / base[shared]
     terms = np.column_stack([rest_part * (b - bp), rest_part * bp, prompt_part * (b - bp), prompt_part * bp])
-    seen = (terms >= 0.5 * terms.sum(axis=1, keepdims=True)) & (terms > 0)
-    has = seen.sum(axis=0) >= CO_EVIDENCE
+    mostly_prompt, beside_prompts = prompt_part >= 0.5, bp >= 0.5 * b
+    kinds = [~mostly_prompt & ~beside_prompts, ~mostly_prompt & beside_prompts, mostly_prompt & ~beside_prompts,
+             mostly_prompt & beside_prompts]  # fmt: skip
+    has = [int(k.sum()) >= CO_EVIDENCE for k in kinds]
     if not (has[0] or has[1]) or not (has[2] or has[3]):
         groups = [[0, 1, 2, 3]]
     else:
