@@ -61,3 +61,28 @@ def test_step_summary_counts_what_the_workers_ran():
     assert abs(got["prompt_step_ms"] - 200.0) < 1e-9
     assert abs(got["busy"] - 0.46 / 2) < 1e-9 and abs(got["busiest"] - 0.36) < 1e-9
     assert step_summary([], 1.0, 2)["decode_step_ms"] is None
+
+
+def test_each_latency_says_where_the_simulated_figure_falls_among_the_measured_samples():
+    """A p90 of the gaps between tokens that sits where they jump from a decode step to a long
+    prompt step misses by far on a small difference in how often the jump happens; the rank says so."""
+    from minipd.bench.metrics import RequestRecord, summarize
+    from minipd.sim.validate import compare, table, ttft_parts
+
+    records = []
+    for i in range(10):  # each reply: 9 gaps of 20 ms and one of 600 ms (a prompt step beside it)
+        times = [100.0 + 0.5]
+        for g in [0.02] * 9 + [0.6]:
+            times.append(times[-1] + g)
+        records.append(RequestRecord(i, 100, 11, 100.0, times, 11, None, None, times[-1]))
+    real = {"summary": summarize(records, 10.0), "records": records}
+    sim = {"summary": dict(real["summary"], p90_itl_ms=500.0, median_itl_ms=21.0)}
+    rows = {r["metric"]: r for r in compare(real, sim)}
+    assert rows["ITL p90"]["rank"] == pytest.approx(0.9) and not rows["ITL p90"]["ok"]
+    assert rows["ITL p50"]["rank"] == pytest.approx(0.9)  # 21 ms: above every 20 ms gap
+    assert rows["TTFT p50"]["rank"] == 1.0 and "rank" not in rows["throughput (req/s)"]
+    v = {"targets": "t", "runs": [{"workload": "w", "label": "colocated", "rate": 1, "rows": list(rows.values()),
+                                   "within_target": 0, "graded": 1,
+                                   "ttft_parts": {"measured": ttft_parts(real), "simulated": ttft_parts(real)}}]}  # fmt: skip
+    line = next(x for x in table(v).splitlines() if x.startswith("| w | colocated | 1 | ITL p90 |"))
+    assert "**no**" in line and line.endswith("| p90 |")
