@@ -55,13 +55,21 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
     for b in batches:
         load([BenchRequest(i, 32, out_len, 0.0) for i in range(b)])
     load([BenchRequest(i, min(1024, target.max_model_len // 2), out_len, 0.0) for i in range(8)])
-    if target.num_workers >= 2:  # the same on every worker at once: what a step costs while the others step too
+    n_all = target.num_workers
+
+    def every_worker_decodes(part: int) -> None:
+        """Decode batches on every worker at once, a third of them at each of three moments of the
+        profile: on a VM the slowdown of workers reading memory together comes and goes in spells
+        of seconds (docs/validation/README.md), and one moment would take whichever state it met."""
+        target.set_mode({"mode": "colocated", "workers": None})
+        for b in batches[1 + part :: 3]:
+            load([BenchRequest(i, 32, out_len, 0.0) for i in range(b * n_all)])
+
+    if n_all >= 2:  # the same on every worker at once: what a step costs while the others step too
         say("profile: every worker at once")
         target.set_mode({"mode": "colocated", "workers": None})
-        n_all = target.num_workers
         load([BenchRequest(i, L, 4, 0.0) for i, L in enumerate(x for x in lengths[1:] for _ in range(n_all))])
-        for b in batches[1:]:
-            load([BenchRequest(i, 32, out_len, 0.0) for i in range(b * n_all)])
+        every_worker_decodes(0)
     say("profile: prompt chunks beside decodes")
     target.set_mode({"mode": "chunked", "chunk_tokens": 256, "workers": 1})
     load([BenchRequest(i, 64, 3 * out_len, 0.0) for i in range(6)] +
@@ -70,7 +78,8 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
     load([BenchRequest(i, 64, 3 * out_len, 0.0) for i in range(4)] +
          [BenchRequest(4 + i, 256, 2, 0.3 * (i + 1)) for i in range(3)])  # fmt: skip
     transfers: list[tuple[int, float]] = []
-    if target.num_workers >= 2:
+    if n_all >= 2:
+        every_worker_decodes(1)
         say("profile: KV handoffs")
         target.set_mode({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None,
                          "local_prefill_tokens": 0})  # fmt: skip
@@ -83,6 +92,7 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
         say("profile: prompts on one worker beside replies on the other")  # what slows what: arithmetic, memory
         load([BenchRequest(i, 64, 16 * out_len, 0.0) for i in range(4)] +
              [BenchRequest(4 + i, L, 2, 0.3 * (i + 1)) for i, L in enumerate(lengths[1:] * 2)])  # fmt: skip
+        every_worker_decodes(2)
     time.sleep(0.3)  # the last steps' events reach the log
     steps = _steps_since(target, since)
     return build(target, steps, records, transfers, quick, alone)
