@@ -86,6 +86,12 @@ def describe(values: Iterable[float], name: str, scale: float = 1000.0) -> dict[
     return out
 
 
+def latency_samples(done: list[RequestRecord]) -> dict[str, list[float]]:
+    """The completed requests' TTFT, TPOT and ITL samples (seconds) that a run's percentiles are taken from."""
+    return {"ttft": [r.ttft for r in done if r.ttft is not None], "tpot": [r.tpot for r in done if r.tpot is not None],
+            "itl": [gap for r in done for gap in r.itls]}  # fmt: skip
+
+
 def summarize(
     records: list[RequestRecord],
     duration: float,
@@ -117,9 +123,8 @@ def summarize(
         "goodput": None if good is None else good * per_s,
         "slo_attainment": None if good is None or not records else good / len(records),
     }
-    out |= describe((r.ttft for r in done if r.ttft is not None), "ttft_ms")
-    out |= describe((r.tpot for r in done if r.tpot is not None), "tpot_ms")
-    out |= describe((gap for r in done for gap in r.itls), "itl_ms")
+    for name, values in latency_samples(done).items():
+        out |= describe(values, f"{name}_ms")
     out |= describe((r.e2e for r in done if r.e2e is not None), "e2e_ms")
     kv = [(r.kv_transfer_seconds, r.ttft) for r in done if r.kv_transfer_seconds is not None]
     if kv:

@@ -158,7 +158,7 @@ class SimWorker:
                 busy = len(mates) / (len(self.box) - 1)
                 busy_prompt = sum(w.prompt_share for w in mates) / (len(self.box) - 1)
                 alone = step.seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context)
-                prompt = s.prefill_tokens * step.per_prefill_token + s.prefill_attention * step.per_attention_pair
+                prompt = step.prompt_seconds(s.prefill_tokens, s.prefill_attention)
                 self.prompt_share = prompt / alone if alone > 0 else 0.0
             seconds = step.co_run_seconds(s.prefill_tokens, s.prefill_attention, s.decodes, s.decode_context, busy,
                                           busy_prompt)  # fmt: skip

@@ -82,11 +82,15 @@ class StepCost:
         alone = self.seconds(prefill_tokens, prefill_attention, decodes, decode_context)
         if not busy:
             return alone
-        prompt = prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
+        prompt = self.prompt_seconds(prefill_tokens, prefill_attention)
         rest_by_rest, rest_by_prompts, prompt_by_rest, prompt_by_prompts = self.co_factors()
         # written so that equal factors give what one factor times `busy` gives, to the last bit
         return ((alone - prompt) * (1 + rest_by_rest * busy + (rest_by_prompts - rest_by_rest) * busy_prompt)
                 + prompt * (1 + prompt_by_rest * busy + (prompt_by_prompts - prompt_by_rest) * busy_prompt))  # fmt: skip
+
+    def prompt_seconds(self, prefill_tokens: int, prefill_attention: int) -> float:
+        """The prompt tokens' part of a step (bound by arithmetic; the rest is bound by memory)."""
+        return prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
 
     def co_factors(self) -> tuple[float, float, float, float]:
         """(the rest beside the rest, the rest beside prompts, prompts beside the rest, prompts beside

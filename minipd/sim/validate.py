@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 from minipd.bench import report
+from minipd.bench.metrics import latency_samples
 
 METRICS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"))
 TARGETS = {"median": 0.10, "p90": 0.20}  # |simulated / measured - 1| within these
@@ -38,9 +39,7 @@ def compare(real: dict, sim: dict) -> list[dict]:
 
 def measured_samples(run: dict) -> dict[str, list[float]]:
     """The run's latency samples in seconds, as its summary's percentiles were taken from them."""
-    done = [r for r in report.records_of(run) if r.ok]
-    return {"ttft": [r.ttft for r in done if r.ttft is not None], "tpot": [r.tpot for r in done if r.tpot is not None],
-            "itl": [gap for r in done for gap in r.itls]}  # fmt: skip
+    return latency_samples([r for r in report.records_of(run) if r.ok])
 
 
 def _row(metric: str, measured, simulated, limit, unit: str) -> dict:
