@@ -54,7 +54,8 @@ def test_bad_numbers_and_names_are_refused_with_a_message(argv, says, capsys):
 def test_a_profile_no_measurement_could_give_is_refused(tmp_path, capsys):
     for bad in ({"fixed": float("nan")}, {"per_decode": -0.5}, {"fixed": "fast"}, {"decode_bends": [[7.5, 1e-3]]},
                 {"decode_bends": [[8, 1e-3], [4, 1e-3]]}, {"decode_bends": [[8, -1.0]]}, {"decode_bends": 8}, {"co_runner_prompt": -0.1},
-                {"co_runner_by_prompts": float("nan")}, {"co_runner_prompt_by_prompts": -5}):
+                {"co_runner_by_prompts": float("nan")}, {"co_runner_prompt_by_prompts": -5}, {"prefill_bends": [[1024.5, 2e-3]]},
+                {"prefill_bends": [[1024, 2e-3], [512, 3e-3]]}, {"prefill_bends": [[1024, float("inf")]]}, {"prefill_bends": "1024"}):
         path = write_profile(tmp_path, **bad)
         with pytest.raises(SystemExit) as e:
             main(["sim", "--profile", path, "--quick", "--out", str(tmp_path / "out")])
@@ -83,6 +84,10 @@ def test_a_profile_of_the_wrong_shape_is_refused_in_words_not_in_python(tmp_path
     d = json.loads(json.dumps(base))
     del d["step"]["decode_bends"]  # a profile from before the knee
     assert Profile.from_dict(d).step.decode_bends == []
+    d["step"].pop("prefill_bends", None)  # from before the prompt bends: its prompt tokens cost as they did
+    d["step"]["per_prefill_token"] = 2e-3
+    step = Profile.from_dict(d).step
+    assert step.prefill_bends == [] and step.prompt_seconds(5000, 0) == 5000 * 2e-3
     d["step"].update(decode_knee=8, per_decode_past_knee=1e-3)  # from before the bends: one knee that steepened
     step = Profile.from_dict(d).step
     assert step.decode_bends == [[8, step.per_decode + 1e-3]]

@@ -249,7 +249,7 @@ class Advisor:
             profile, quality = fitted
             entry["profile"] = {"step": {k: getattr(profile.step, k) for k in ("fixed", "per_prefill_token",
                                 "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode",
-                                "decode_bends", "co_runner", "co_runner_prompt", "co_runner_by_prompts",
+                                "decode_bends", "prefill_bends", "co_runner", "co_runner_prompt", "co_runner_by_prompts",
                                 "co_runner_prompt_by_prompts")}, "fit": quality}  # fmt: skip
             rows = [self._sim_row(m, profile, snap) for m in modes]
         else:

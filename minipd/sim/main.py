@@ -195,7 +195,7 @@ def profile_note(profile) -> str:
         if not profile.is_estimate else f"**Simulated** from a **{profile.source}**: not measured anywhere")  # fmt: skip
     s = profile.step
     return (f"## How this was made\n\n{what}. Step time = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us per "
-            f"prompt token + {s.per_attention_pair * 1e9:.3f} ns per (query, key) pair + {s.per_decode * 1e3:.3f} ms per "
+            f"prompt token{s.prompt_bends_text(' per ')} + {s.per_attention_pair * 1e9:.3f} ns per (query, key) pair + {s.per_decode * 1e3:.3f} ms per "
             f"decode{s.bends_text(' per ')} (+ {s.per_mixed_decode * 1e3:.3f} ms beside prompt tokens) + {s.per_decode_context * 1e6:.3f} us per token of "
             f"decode context, {s.co_runner_text()}; {s.gap * 1e3:.2f} ms between "
             f"steps. Host: {profile.host.dispatch_s * 1e3:.1f} ms to place a request, {profile.host.token_s * 1e3:.1f} ms "

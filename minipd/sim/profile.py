@@ -14,7 +14,11 @@ changes kind: from the small-row kernel to oneDNN's, which costs more to start a
 It is fitted on measured steps by non-negative least squares on relative error (a 20 ms decode step
 counts as much as a 2 s prefill), with bends at the batch sizes measured, so that the decode term
 follows the measured curve up or down and, past the largest batch measured, its last slope; `gap`
-is the worker's own time between two steps."""
+is the worker's own time between two steps. The prompt tokens' cost bends too (prefill_bends): on the
+CPU a prompt token costs more in a step of thousands of them (its activations, megabytes per thousand
+tokens, outgrow the caches), so past a step size measured often, with steps well past it measured,
+each further prompt token in the step costs the bend's rate, which the fit keeps at or above
+per_prefill_token."""
 
 from __future__ import annotations
 
@@ -31,20 +35,23 @@ import numpy as np
 FORMAT = 1
 GAP_CAP_S = 0.05  # two steps closer than this were back to back (the worker had work)
 TERMS = ("fixed", "per_prefill_token", "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode")
-MAX_BENDS = 4  # the fit tries every set of terms: 2^(6 + bends) least squares
+MAX_BENDS = 4  # the fit tries every set of terms: 2^(6 + bends + prompt bends) least squares
 BEND_MIN_STEPS = 3  # steps of a batch size (run alone) before a bend may sit there
 BEND_SPACING = 1.5  # each bend at least this many times the batch size of the one before
+PROMPT_BEND_PAST = 2  # steps (run alone) of at least BEND_SPACING x a prompt bend's tokens, before it may sit there
 
 
 def features(prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int,
-             bends: list[int] = ()) -> tuple:  # fmt: skip
+             bends: list[int] = (), prompt_bends: list[int] = ()) -> tuple:  # fmt: skip
     """The step's terms: per_decode's is the decodes up to the first bend, then one per bend (the
-    decodes past it, up to the next)."""
+    decodes past it, up to the next); then one per prompt bend: the prompt tokens past it (what each
+    costs beyond the rate before it)."""
     mixed = decodes if prefill_tokens else 0
     edges = [0, *bends, math.inf]
     stretches = [float(max(0, min(decodes, b) - a)) for a, b in zip(edges, edges[1:])]
+    past = [float(max(0, prefill_tokens - b)) for b in prompt_bends]
     return (1.0, float(prefill_tokens), float(prefill_attention), stretches[0], float(decode_context), float(mixed),
-            *stretches[1:])  # fmt: skip
+            *stretches[1:], *past)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -69,9 +76,11 @@ class StepCost:
     co_runner_prompt_by_prompts: float | None = None
     # [[batch, rate], ...], batches rising: each decode past `batch` in a step costs `rate` (not per_decode)
     decode_bends: list[list[float]] = field(default_factory=list)
+    # [[tokens, rate], ...], the same for the step's prompt tokens (not per_prefill_token)
+    prefill_bends: list[list[float]] = field(default_factory=list)
 
     def seconds(self, prefill_tokens: int, prefill_attention: int, decodes: int, decode_context: int) -> float:
-        return (self.fixed + prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
+        return (self.fixed + self.prompt_seconds(prefill_tokens, prefill_attention)
                 + self.decodes_seconds(decodes) + decode_context * self.per_decode_context
                 + (decodes * self.per_mixed_decode if prefill_tokens else 0.0))  # fmt: skip
 
@@ -90,7 +99,7 @@ class StepCost:
 
     def prompt_seconds(self, prefill_tokens: int, prefill_attention: int) -> float:
         """The prompt tokens' part of a step (bound by arithmetic; the rest is bound by memory)."""
-        return prefill_tokens * self.per_prefill_token + prefill_attention * self.per_attention_pair
+        return _piecewise(prefill_tokens, self.per_prefill_token, self.prefill_bends) + prefill_attention * self.per_attention_pair
 
     def co_factors(self) -> tuple[float, float, float, float]:
         """(the rest beside the rest, the rest beside prompts, prompts beside the rest, prompts beside
@@ -117,13 +126,7 @@ class StepCost:
     def decodes_seconds(self, decodes: int) -> float:
         """What the step's `decodes` cost on their own (not their context): per_decode each up to the
         first bend, then each bend's rate up to the next."""
-        total, at, rate = 0.0, 0, self.per_decode
-        for batch, next_rate in self.decode_bends:
-            if decodes <= batch:
-                break
-            total += (batch - at) * rate
-            at, rate = batch, next_rate
-        return total + (decodes - at) * rate
+        return _piecewise(decodes, self.per_decode, self.decode_bends)
 
     def bends_text(self, per: str = "/") -> str:
         """' (3.000 ms/decode past 4 in a step, 2.500 past 16)', or '' without bends."""
@@ -131,6 +134,14 @@ class StepCost:
             return ""
         parts = [f"{rate * 1e3:.3f} ms{per}decode past {batch:g} in a step" if i == 0 else f"{rate * 1e3:.3f} past {batch:g}"
                  for i, (batch, rate) in enumerate(self.decode_bends)]  # fmt: skip
+        return f" ({', '.join(parts)})"
+
+    def prompt_bends_text(self, per: str = "/") -> str:
+        """' (2.30 us/prompt token past 1024 in a step)', or '' without prompt bends."""
+        if not self.prefill_bends:
+            return ""
+        parts = [f"{rate * 1e6:.2f} us{per}prompt token past {tokens:g} in a step" if i == 0 else f"{rate * 1e6:.2f} past {tokens:g}"
+                 for i, (tokens, rate) in enumerate(self.prefill_bends)]  # fmt: skip
         return f" ({', '.join(parts)})"
 
     def decode_run_seconds(self, decodes: int, context: int, steps: int) -> list[float]:
@@ -144,6 +155,17 @@ class StepCost:
 
     def decode_seconds(self, batch: int, context: float) -> float:
         return self.seconds(0, 0, batch, int(batch * context))
+
+
+def _piecewise(count: int, rate: float, bends: list[list[float]]) -> float:
+    """`count` things at `rate` each up to the first bend, then each bend's rate up to the next."""
+    total, at = 0.0, 0
+    for edge, next_rate in bends:
+        if count <= edge:
+            break
+        total += (edge - at) * rate
+        at, rate = edge, next_rate
+    return total + (count - at) * rate
 
 
 @dataclass(slots=True)
@@ -235,14 +257,15 @@ class Profile:
         for name in ("co_runner_prompt", "co_runner_by_prompts", "co_runner_prompt_by_prompts"):
             if getattr(self.step, name) is not None:
                 number(f"step.{name}", getattr(self.step, name))
-        bends = self.step.decode_bends
-        if not isinstance(bends, list) or not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in bends):
-            raise ValueError(f"step.decode_bends must be a list of [batch, seconds per decode], got {bends!r}")
-        for i, (batch, rate) in enumerate(bends):
-            number(f"step.decode_bends[{i}] batch", batch, 1)
-            number(f"step.decode_bends[{i}] rate", rate)
-            if batch != int(batch) or (i and batch <= bends[i - 1][0]):
-                raise ValueError(f"step.decode_bends' batches must be whole numbers of decodes, rising; got {batch!r}")
+        for name, unit in (("decode_bends", "decode"), ("prefill_bends", "prompt token")):
+            bends = getattr(self.step, name)
+            if not isinstance(bends, list) or not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in bends):
+                raise ValueError(f"step.{name} must be a list of [{unit}s in a step, seconds per {unit}], got {bends!r}")
+            for i, (edge, rate) in enumerate(bends):
+                number(f"step.{name}[{i}] {unit}s", edge, 1)
+                number(f"step.{name}[{i}] rate", rate)
+                if edge != int(edge) or (i and edge <= bends[i - 1][0]):
+                    raise ValueError(f"step.{name}' edges must be whole numbers of {unit}s, rising; got {edge!r}")
         for q in self.step.noise:
             number("step.noise", q, strict=True)
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -306,22 +329,28 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     steps, ys, busy = [s for s, k in zip(steps, keep) if k], ys[keep], busy[keep]
     alone = busy < 0.1
     bends = bends_to_fit([s["decodes"] for s, a in zip(steps, alone) if a])
-    if alone.sum() < len(TERMS) + len(bends):
-        raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {len(TERMS) + len(bends)} terms")
-    xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"], bends)
-                   for s in steps])  # fmt: skip
+    prompt_bends = prompt_bends_to_fit([s["prefill_tokens"] for s, a in zip(steps, alone) if a and not s["decodes"]])
+    terms = len(TERMS) + len(bends) + len(prompt_bends)
+    if alone.sum() < terms:
+        raise ValueError(f"{int(alone.sum())} steps ran alone: too few to fit a step model of {terms} terms")
+    xs = np.array([features(s["prefill_tokens"], s["prefill_attention"], s["decodes"], s["decode_context"], bends,
+                            prompt_bends) for s in steps])  # fmt: skip
     coef = nonnegative_lstsq(xs[alone] / ys[alone, None], np.ones(int(alone.sum())))
     base = xs @ coef
-    prompt_terms = [TERMS.index("per_prefill_token"), TERMS.index("per_attention_pair")]
+    prompt_terms = [TERMS.index("per_prefill_token"), TERMS.index("per_attention_pair"),
+                    *range(len(TERMS) + len(bends), terms)]  # fmt: skip
     prompt = xs[:, prompt_terms] @ coef[prompt_terms]  # the prompt tokens' share of each step
     busy_prompt = np.zeros(len(steps))
     if busy.any() and all("worker" in s for s in steps):
         share = np.divide(prompt, base, out=np.zeros(len(steps)), where=base > 0)
         busy_prompt = np.minimum(busy, co_overlap(steps, share))
     factors = fit_co_runners(ys, base, prompt, busy, busy_prompt, alone)
-    rates = [float(c) for c in coef[len(TERMS):]]
+    rates = [float(c) for c in coef[len(TERMS):len(TERMS) + len(bends)]]
+    per_token = float(coef[TERMS.index("per_prefill_token")])
+    prompt_rates = list(per_token + np.cumsum(coef[len(TERMS) + len(bends):]))  # fitted as what each bend adds
     cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), **factors,
-                    decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates))  # fmt: skip
+                    decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates),
+                    prefill_bends=_merge_bends(per_token, prompt_bends, [float(r) for r in prompt_rates]))  # fmt: skip
     predicted = np.array([cost.co_run_seconds(s["prefill_tokens"], s["prefill_attention"], s["decodes"],
                                               s["decode_context"], u, p) for s, u, p in zip(steps, busy, busy_prompt)])  # fmt: skip
     rel = np.abs(predicted - ys) / ys
@@ -383,6 +412,17 @@ def bends_to_fit(decodes: list[int]) -> list[int]:
     if len(bends) > MAX_BENDS:
         bends = [bends[round(i * (len(bends) - 1) / (MAX_BENDS - 1))] for i in range(MAX_BENDS)]
     return bends
+
+
+def prompt_bends_to_fit(prompt_tokens: list[int]) -> list[int]:
+    """Where the prompt term may bend: the largest step size (in prompt tokens) measured in at least
+    BEND_MIN_STEPS steps with at least PROMPT_BEND_PAST steps of BEND_SPACING times as many tokens
+    measured too; none if no size is."""
+    counts = Counter(t for t in prompt_tokens if t > 0)
+    for size in sorted(counts, reverse=True):
+        if counts[size] >= BEND_MIN_STEPS and sum(n for t, n in counts.items() if t >= BEND_SPACING * size) >= PROMPT_BEND_PAST:
+            return [size]
+    return []
 
 
 def _merge_bends(first: float, bends: list[int], rates: list[float]) -> list[list[float]]:

@@ -66,7 +66,7 @@ def run(argv=None) -> int:
 
 def describe(profile) -> str:
     s, fit = profile.step, profile.about.get("step_fit", {})
-    lines = [f"step = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us/prompt token + "
+    lines = [f"step = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us/prompt token{s.prompt_bends_text()} + "
              f"{s.per_attention_pair * 1e9:.3f} ns/(query, key) pair + {s.per_decode * 1e3:.3f} ms/decode{s.bends_text()} + "
              f"{s.per_decode_context * 1e6:.3f} us/decode context token (+ {s.per_mixed_decode * 1e3:.3f} ms/decode beside prompt "
              f"tokens), {s.co_runner_text()}; {s.gap * 1e3:.2f} ms between steps",
