@@ -49,7 +49,7 @@ def measure(target: Target, quick: bool = False, seed: int = 11, say=print) -> P
     target.set_mode({"mode": "colocated", "workers": 1})
     load([BenchRequest(0, 32, 4, 0.0)])  # warm
     load([BenchRequest(i, L, 4, 0.0) for i, L in enumerate(lengths)], concurrency=1)
-    for k in (2, 4):  # several prompts read in one step (prefill_first takes every waiting one that fits)
+    for k in (3, 4):  # the first read alone, the rest in one step (prefill_first takes every waiting one that fits)
         load([BenchRequest(i, 1024, 2, 0.0) for i in range(k)])
     say("profile: decode batches")
     for b in batches:
