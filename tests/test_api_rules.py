@@ -614,6 +614,29 @@ async def test_what_the_http_parser_refuses_gets_the_json_error_body(request_byt
         assert status.split()[1] == b"200" and json.loads(body)["data"][0]["id"] == "tiny"
 
 
+@pytest.mark.parametrize("framing, says", [(b"Content-Length: 1000\r\n\r\n{\"prompt\":", "its Content-Length (1000 bytes)"),
+                                           (b"Transfer-Encoding: chunked\r\n\r\na\r\n{\"prompt\":\r\n", "its last chunk")])
+async def test_a_body_cut_short_by_a_half_close_gets_a_400_and_the_server_goes_on(framing, says):
+    """Defect: Content-Length 1000, 10 bytes, then the client closed its sending side
+    (shutdown(SHUT_WR), as `nc -N` does): aiohttp closed the connection at the end of the stream and
+    the client read nothing at all, where the body could never be completed and a 400 could say so."""
+    async with raw_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + framing)
+            await writer.drain()
+            writer.write_eof()
+            answer = await asyncio.wait_for(reader.read(), 5)  # to the end: the server closes after its answer
+        finally:
+            writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), answer
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and f"ended before {says}" in error["message"], error
+        status, _, body = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status.split()[1] == b"200" and json.loads(body)["data"][0]["id"] == "tiny"
+
+
 async def test_a_client_that_stalls_in_its_headers_is_cut_off():
     """A connection whose headers never end (slowloris) is closed after keepalive_timeout (75 s for
     `serve`, 1 s here), though it keeps sending a header line a second."""

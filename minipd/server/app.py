@@ -25,7 +25,7 @@ from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply, choice_params, deltas_of
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
 from minipd.server.metrics import CONTENT_TYPE
-from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, http_exception_as_json
+from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, BodyCutShort, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
 from minipd.server.modes import INTEGER_SETTINGS, LINK_SETTINGS, check_whatever_it_meets, requested_mode
 from minipd.server.protocol import ApiError
@@ -659,6 +659,8 @@ class Api:
         except TimeoutError:  # a client that stopped sending: its connection is not held forever
             raise ApiError(f"the request body did not arrive within {self.body_timeout_s:g} s", 408,
                            code="request_timeout") from None  # fmt: skip
+        except BodyCutShort as err:
+            raise ApiError(str(err)) from None
         except RequestPayloadError:  # e.g. Content-Encoding: gzip over bytes that are not gzip
             how = "read" if encoding == "identity" else f"decoded as {encoding} (its Content-Encoding)"
             raise ApiError(f"the request body could not be {how}") from None

@@ -12,7 +12,7 @@ from http import HTTPStatus
 
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from minipd.server.protocol import ApiError
 
@@ -21,7 +21,39 @@ SUPPORTED_ENCODINGS = "send it plain (identity), gzip or deflate"
 MAX_MESSAGE_CHARS = 300  # the parser's message can quote what the client sent
 
 
+class BodyCutShort(RequestPayloadError):
+    """The client closed its sending side before the request's body was whole."""
+
+
 class JsonErrorHandler(RequestHandler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._newest: tuple | None = None  # (headers, body) of the request made last on this connection
+        make = self._request_factory
+
+        def remember(message, body, *rest):
+            self._newest = (message.headers, body)
+            return make(message, body, *rest)
+
+        self._request_factory = remember
+
+    def eof_received(self) -> bool | None:
+        """The client closed its sending side. While a request's body is still arriving, the body can
+        never be whole: reading it fails with BodyCutShort (a 400 that says so; the client's receiving
+        side is open, so the answer still reaches it) and the connection ends after the answer.
+        Otherwise the connection closes, as aiohttp's does (a client gone mid-reply frees its request)."""
+        requests = [(m.headers, body) for m, body in self._messages]  # parsed, not yet handled
+        arriving = [(h, body) for h, body in [*requests, *([self._newest] if self._newest else [])] if not body.is_eof()]
+        if not arriving:
+            return None
+        for headers, body in arriving:
+            length = headers.get("Content-Length")
+            expected = f"its Content-Length ({length} bytes)" if length is not None else "its last chunk"
+            body.set_exception(BodyCutShort(f"the request body ended before {expected}: the client closed "
+                                            f"its side after {body.total_bytes} bytes"))  # fmt: skip
+        self.close()
+        return True
+
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:  # fmt: skip
         if request.writer.output_size > 0:  # as aiohttp: a reply has begun, the connection is broken
