@@ -130,19 +130,11 @@ class StepCost:
 
     def bends_text(self, per: str = "/") -> str:
         """' (3.000 ms/decode past 4 in a step, 2.500 past 16)', or '' without bends."""
-        if not self.decode_bends:
-            return ""
-        parts = [f"{rate * 1e3:.3f} ms{per}decode past {batch:g} in a step" if i == 0 else f"{rate * 1e3:.3f} past {batch:g}"
-                 for i, (batch, rate) in enumerate(self.decode_bends)]  # fmt: skip
-        return f" ({', '.join(parts)})"
+        return _bends_text(self.decode_bends, lambda rate: f"{rate * 1e3:.3f}", f" ms{per}decode")
 
     def prompt_bends_text(self, per: str = "/") -> str:
         """' (2.30 us/prompt token past 1024 in a step)', or '' without prompt bends."""
-        if not self.prefill_bends:
-            return ""
-        parts = [f"{rate * 1e6:.2f} us{per}prompt token past {tokens:g} in a step" if i == 0 else f"{rate * 1e6:.2f} past {tokens:g}"
-                 for i, (tokens, rate) in enumerate(self.prefill_bends)]  # fmt: skip
-        return f" ({', '.join(parts)})"
+        return _bends_text(self.prefill_bends, lambda rate: f"{rate * 1e6:.2f}", f" us{per}prompt token")
 
     def decode_run_seconds(self, decodes: int, context: int, steps: int) -> list[float]:
         """seconds(0, 0, decodes, context + i * decodes) for i in range(steps), each the same float:
@@ -155,6 +147,12 @@ class StepCost:
 
     def decode_seconds(self, batch: int, context: float) -> float:
         return self.seconds(0, 0, batch, int(batch * context))
+
+
+def _bends_text(bends: list[list[float]], number, unit: str) -> str:
+    parts = [f"{number(rate)}{unit} past {edge:g} in a step" if i == 0 else f"{number(rate)} past {edge:g}"
+             for i, (edge, rate) in enumerate(bends)]  # fmt: skip
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _piecewise(count: int, rate: float, bends: list[list[float]]) -> float:
