@@ -637,6 +637,26 @@ async def test_a_body_cut_short_by_a_half_close_gets_a_400_and_the_server_goes_o
         assert status.split()[1] == b"200" and json.loads(body)["data"][0]["id"] == "tiny"
 
 
+async def test_a_half_close_behind_an_answer_sent_without_reading_the_body_is_quiet(caplog):
+    """Defect (review of the fix above): a 404 answered before its body arrived left aiohttp reading
+    the rest for 10 s; the half-close then failed that read with the 400's exception, and aiohttp
+    logged it as an unhandled error with a traceback, for any client to trigger."""
+    async with raw_server() as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST /no/such/path HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\":")  # fmt: skip
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 5)
+            writer.write_eof()
+            await asyncio.wait_for(reader.read(), 5)  # the server closes
+        finally:
+            writer.close()
+        await asyncio.sleep(0.1)
+    assert b" 404 " in status_line, status_line
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 async def test_a_client_that_stalls_in_its_headers_is_cut_off():
     """A connection whose headers never end (slowloris) is closed after keepalive_timeout (75 s for
     `serve`, 1 s here), though it keeps sending a header line a second."""

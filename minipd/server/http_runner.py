@@ -28,25 +28,34 @@ class BodyCutShort(RequestPayloadError):
 class JsonErrorHandler(RequestHandler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._newest: tuple | None = None  # (headers, body) of the request made last on this connection
+        self._newest = None  # the request made last on this connection (made before its handler's task runs)
         make = self._request_factory
 
-        def remember(message, body, *rest):
-            self._newest = (message.headers, body)
-            return make(message, body, *rest)
+        def remember(*args):
+            self._newest = make(*args)
+            return self._newest
 
         self._request_factory = remember
 
     def eof_received(self) -> bool | None:
-        """The client closed its sending side. While a request's body is still arriving, the body can
-        never be whole: reading it fails with BodyCutShort (a 400 that says so; the client's receiving
-        side is open, so the answer still reaches it) and the connection ends after the answer.
-        Otherwise the connection closes, as aiohttp's does (a client gone mid-reply frees its request)."""
-        requests = [(m.headers, body) for m, body in self._messages]  # parsed, not yet handled
-        arriving = [(h, body) for h, body in [*requests, *([self._newest] if self._newest else [])] if not body.is_eof()]
-        if not arriving:
+        """The client closed its sending side. While a request's body is still arriving and nothing
+        has been answered to it, the body can never be whole: reading it fails with BodyCutShort (a
+        400 that says so; the client's receiving side is open, so the answer still reaches it) and
+        the connection ends after the answer. Otherwise the connection closes, as aiohttp's does (a
+        client gone mid-reply frees its request; a body left unread behind an answer is dropped). A
+        pipelined request cut short behind one still being handled is not answered."""
+        newest = self._newest
+        if newest is not None and not newest.content.is_eof():
+            if newest.writer.output_size > 0:  # answered without reading it all
+                return None
+            cut = [(newest.headers, newest.content)]
+        elif self._request_in_progress:
             return None
-        for headers, body in arriving:
+        else:  # parsed, its handler not started yet
+            cut = [(m.headers, body) for m, body in self._messages if not body.is_eof() and hasattr(m, "headers")]
+        if not cut:
+            return None
+        for headers, body in cut:
             length = headers.get("Content-Length")
             expected = f"its Content-Length ({length} bytes)" if length is not None else "its last chunk"
             body.set_exception(BodyCutShort(f"the request body ended before {expected}: the client closed "
