@@ -69,7 +69,8 @@ def from_step_model(p, prompt_tokens: float = 512.0) -> Profile:
     s = p.step
     link = next(iter(p.links.values()), None)
     n = max(1, round(prompt_tokens))
-    return Profile(prefill_fixed_s=s.fixed, prefill_per_token_s=s.prompt_seconds(n, n * (n + 1) // 2) / n,
+    past_bends = (s.prompt_seconds(n, 0) - n * s.per_prefill_token) / n  # 0 without prompt bends
+    return Profile(prefill_fixed_s=s.fixed, prefill_per_token_s=s.per_prefill_token + s.per_attention_pair * (prompt_tokens + 1) / 2 + past_bends,
                    decode_fixed_s=s.fixed + s.gap, decode_per_seq_s=s.per_decode, decode_per_context_token_s=s.per_decode_context,
                    interference_per_token_s=s.per_prefill_token, kv_bytes_per_token=p.worker.kv_bytes_per_token,
                    kv_bandwidth_bytes_s=link.bytes_per_s if link else float("nan"),
