@@ -65,11 +65,29 @@ def test_demo_quick_on_the_default_model(tmp_path):
     assert all(c["ok"] for c in demo["checks"]), demo["checks"]
     colo, chunked, disagg = (demo["modes"][m]["summary"] for m in ("colocated", "chunked", "disagg"))
     assert colo["stall_over_prefill"]["median"] >= 0.8
-    assert disagg["stall_over_median"]["median"] <= 3
+    assert disagg["stall_over_prefill"]["median"] <= 0.1
     assert colo["stall_s"]["median"] > chunked["stall_s"]["median"] > disagg["stall_s"]["median"]
     assert len(demo["modes"]["disagg"]["runs"]) == 2 and disagg["kv_bytes"]["median"] > 0
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert "client" in demo["note"]
+
+
+def test_disaggregation_passes_when_its_replies_did_not_wait_for_the_document():
+    """Defect (a CI run on the 2-core machine): the demo exited 1 because disagg's worst reply gap
+    was 3.3x the median (73 ms against 22), one scheduling hiccup of two busy cores, while the
+    replies froze for 2% of the document's prefill against colocated's 101%. The check asks what
+    the demo teaches: the replies froze for at most a tenth of the prefill (colocated: at least 80%)."""
+    from minipd.demo.main import _checks
+
+    def summary(colocated: float, chunked: float, disagg: float, disagg_gap_ratio: float) -> dict:
+        def mode(stall: float, ratio: float) -> dict:
+            return {"stall_s": {"median": stall}, "stall_over_prefill": {"median": stall / 2.7},
+                    "stall_over_median": {"median": ratio}}  # fmt: skip
+        return {"colocated": mode(colocated, 126), "chunked": mode(chunked, 9), "disagg": mode(disagg, disagg_gap_ratio)}
+
+    assert all(ok for _, ok in _checks(summary(2.7, 0.19, 0.073, 3.3)))
+    failed = [text for text, ok in _checks(summary(2.7, 0.9, 0.8, 36)) if not ok]
+    assert len(failed) == 1 and failed[0].startswith("disagg: the replies froze for 30%"), failed
 
 
 def test_the_table_title_says_what_the_brackets_hold():

@@ -136,12 +136,15 @@ async def _play(url, mode, run, args, document, headers, console, streams, strea
 
 
 def _checks(summary: dict) -> list[tuple[str, bool]]:
-    med = {name: s.get(key, {}).get("median") for name, s in summary.items() for key in ("stall_over_median",)}
-    out = []
-    over_prefill = summary["colocated"].get("stall_over_prefill", {}).get("median")
-    out.append((f"colocated: the replies froze for {over_prefill or 0:.0%} of the document's prefill (>= 80%)",
-                bool(over_prefill and over_prefill >= 0.8)))  # fmt: skip
-    out.append((f"disagg: worst gap {med['disagg'] or 0:.1f}x the median gap (<= 3x)", bool(med["disagg"] and med["disagg"] <= 3)))
+    """What the demo teaches, each as (text, held): colocated's replies wait for the whole document,
+    disagg's for a small part of it (a reply's worst gap against its median gap is in the table: on
+    two busy cores one scheduling hiccup makes it 3-5x, so it is not what is checked)."""
+    over_prefill = {name: s.get("stall_over_prefill", {}).get("median") for name, s in summary.items()}
+    colocated, disagg = over_prefill.get("colocated"), over_prefill.get("disagg")
+    out = [(f"colocated: the replies froze for {colocated or 0:.0%} of the document's prefill (>= 80%)",
+            bool(colocated and colocated >= 0.8)),
+           (f"disagg: the replies froze for {disagg or 0:.0%} of the document's prefill (<= 10%)",
+            disagg is not None and disagg <= 0.1)]  # fmt: skip
     stall = {name: summary[name].get("stall_s", {}).get("median", 0) for name in summary}
     out.append(("chunked lies in between: stall colocated > chunked > disagg "
                 f"({stall['colocated']:.2f} > {stall['chunked']:.2f} > {stall['disagg']:.2f} s)",
