@@ -345,10 +345,10 @@ def fit_steps(steps: list[dict]) -> tuple[StepCost, dict]:
     factors = fit_co_runners(ys, base, prompt, busy, busy_prompt, alone)
     rates = [float(c) for c in coef[len(TERMS):len(TERMS) + len(bends)]]
     per_token = float(coef[TERMS.index("per_prefill_token")])
-    prompt_rates = list(per_token + np.cumsum(coef[len(TERMS) + len(bends):]))  # fitted as what each bend adds
+    prompt_rates = [float(r) for r in per_token + np.cumsum(coef[len(TERMS) + len(bends):])]  # fitted as what each bend adds
     cost = StepCost(**dict(zip(TERMS, map(float, coef[:len(TERMS)]))), **factors,
                     decode_bends=_merge_bends(float(coef[TERMS.index("per_decode")]), bends, rates),
-                    prefill_bends=_merge_bends(per_token, prompt_bends, [float(r) for r in prompt_rates]))  # fmt: skip
+                    prefill_bends=_merge_bends(per_token, prompt_bends, prompt_rates))  # fmt: skip
     predicted = np.array([cost.co_run_seconds(s["prefill_tokens"], s["prefill_attention"], s["decodes"],
                                               s["decode_context"], u, p) for s, u, p in zip(steps, busy, busy_prompt)])  # fmt: skip
     rel = np.abs(predicted - ys) / ys
