@@ -55,6 +55,7 @@ def feed(a, now: float, rate: float, prompt: int, output: int, window: float, tp
 def test_long_prompts_under_a_tight_tpot_slo_lead_to_disagg_after_two_windows(model):
     router, a = advisor_with(model=model)
     a.config.decisive_gain = float("inf")  # the hysteresis alone (colocated is predicted at ~0 here)
+    a.config.credited_decisive_gain = float("inf")  # (and measured at 0)
     now = time.time()
     feed(a, now, 1.5, 1000, 100, 10.0)
     first = a.decide(now)
@@ -601,3 +602,30 @@ def test_the_live_fit_keeps_every_shape_of_step_not_only_the_latest_steps():
     for prefill, decodes, context in ((1600, 0, 0), (0, 32, 32 * 300), (0, 1, 300)):
         got = cost.seconds(prefill, prefill * (prefill + 1) // 2, decodes, context)
         assert got == pytest.approx(true_seconds(prefill, decodes, context), rel=0.15), (prefill, decodes, got)
+
+
+def test_a_lead_that_the_current_modes_own_measurement_backs_by_half_switches_after_one_window():
+    """Seen on the default model (phases chat,generate,chat at 2.5 req/s, TPOT SLO 50 ms): colocated
+    measured 60% within the SLOs in a chat phase, the replay ranked disagg:1p1d ahead (+67% over
+    the measurement), and the advisor waited a second window that measured the same before it
+    switched; twice in one run, 10 s of a phase each time. Where the measurement and the replay
+    agree by a wide margin, one window is enough; a narrower lead still waits for a second one."""
+    router, a = advisor_with(model="sim")
+    now = time.time()
+    a._predict = _canned(0.8, 0.8, 1.0)
+
+    def window(k: int, share_within: float) -> dict:
+        a.behind = 0
+        feed(a, now + 10 * k, 2.0, 100, 20, 10.0)
+        finished = list(a.finished)[-20:]
+        for i, f in enumerate(finished):
+            f.tpot = 0.01 if i < round(share_within * len(finished)) else 0.05
+        return a.decide(now + 10 * k)
+
+    stay = window(0, 0.85)  # credited 0.85: 18% behind the leader, under the 30% margin
+    assert stay["current_credited"] == pytest.approx(0.85) and stay["decision"].startswith("stay"), stay["decision"]
+    wait = window(2, 0.70)  # 43%: behind, but a second window must say so
+    assert wait["switch_to"] is None and wait["decision"].startswith("wait"), wait["decision"]
+    go = window(4, 0.60)  # 67%: measured and predicted agree by more than half
+    assert go["current_credited"] == pytest.approx(0.6) and go["switch_to"] is not None, go["decision"]
+    assert "after one window" in go["decision"]

@@ -3,7 +3,9 @@ prompt and reply length) and the step times the workers reported, predicts each 
 goodput under the configured SLOs, and switches live to the best candidate when it beats the
 current mode by more than `min_gain` and the current mode was predicted behind by that much the
 window before as well (hysteresis: a single noisy window does not flip the mode), or at once when
-the gain passes `decisive_gain` (the current mode predicted to do less than half as well).
+the gain passes `decisive_gain` (the current mode predicted to do less than half as well), or
+`credited_decisive_gain` where the current mode is judged by what it measured (the measurement and
+the replay agree: two signals, not one noisy window).
 
 Two models predict (`model`):
 - "sim" (the default): the workers' own steps fitted into a step profile, and the window's requests
@@ -56,6 +58,7 @@ class AdvisorConfig:
     slo_tpot_s: float = 0.1
     min_gain: float = 0.1  # relative predicted-goodput gain a switch must promise
     decisive_gain: float = 1.0  # a gain above this switches after one window instead of two
+    credited_decisive_gain: float = 0.5  # the same where the current mode is judged by what it measured
     min_requests: int = 5  # fewer arrived in a window: no decision
     model: str = "sim"  # or "planner" (see the module's docstring)
     profile: StepProfile | None = None  # "sim": a measured profile (`minipd profile`) instead of the live fit
@@ -297,12 +300,13 @@ class Advisor:
         elif not behind:
             entry["decision"] = (f"stay: {best['label']} is predicted only {change} (threshold {margin:.0%}, "
                                  f"and {cfg.min_gain:.0%} of the {rate:.2f} req/s offered)")  # fmt: skip
-        elif self.behind < 2 and gain <= cfg.decisive_gain:
+        elif self.behind < 2 and gain <= (cfg.decisive_gain if credited is None else cfg.credited_decisive_gain):
             entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
                                  "predicted behind again")  # fmt: skip
         else:
+            decisive = cfg.decisive_gain if credited is None else cfg.credited_decisive_gain
             entry["decision"] = f"switch to {best['label']}: predicted goodput {change}" + (
-                "" if self.behind >= 2 else f" (above {cfg.decisive_gain:.0%}: after one window)")
+                "" if self.behind >= 2 else f" (above {decisive:.0%}: after one window)")
             entry["switch_to"] = best["mode"]
             self.behind = 0
         return self._publish(entry)
