@@ -629,3 +629,31 @@ def test_a_lead_that_the_current_modes_own_measurement_backs_by_half_switches_af
     go = window(4, 0.60)  # 67%: measured and predicted agree by more than half
     assert go["current_credited"] == pytest.approx(0.6) and go["switch_to"] is not None, go["decision"]
     assert "after one window" in go["decision"]
+
+
+def test_a_decision_comes_early_when_most_of_the_current_modes_own_running_replies_already_fail():
+    """Seen on the default model (phases chat,generate,chat at 2.5 req/s, TPOT SLO 50 ms, 10 s
+    windows): the generate phase began 1-3 s after a decision under disagg:1p1d, whose one decode
+    worker fell behind at once; the replies that arrived in the next 10 s met 0% of the SLOs, and
+    the advisor saw it only at the window's end. From half a window after the last decision on,
+    the advisor decides at once when most of the current mode's own running replies are past an
+    SLO (at least min_requests of them); otherwise at the window's end, as before."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)  # window 10 s
+    now = time.time()
+    a.last_decision = now - 3.0
+    _running(router, a, now, 20, tpot=0.5)  # every running reply at twice the TPOT SLO
+    assert a.decision_due(now) is None  # too soon after the last decision
+    assert a.decision_due(now + 2.5) == "early"
+    a.last_decision = now - 10.0
+    assert a.decision_due(now) == "window"
+    router.requests.clear()
+    a.last_decision = now - 6.0
+    _running(router, a, now, 20, tpot=0.1)  # within the SLO: wait for the window
+    assert a.decision_due(now) is None
+    router.requests.clear()
+    _running(router, a, now, 3, tpot=0.5)  # failing, but fewer than min_requests judge nothing
+    assert a.decision_due(now) is None
+    a.mode_since = now  # replies admitted before the last switch are not the current mode's own
+    router.requests.clear()
+    _running(router, a, now, 20, tpot=0.5)
+    assert a.decision_due(now) is None

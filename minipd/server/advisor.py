@@ -45,6 +45,7 @@ from minipd.sim.profile import WorkerShape, loop_gap
 log = logging.getLogger("minipd.advisor")
 KEPT_STEPS = 800  # transfers, reply lengths and step spans for the loop's gap: the last ones (a quiet window keeps older ones)
 KEPT_ENTRIES = 500
+EARLY_CHECK_S = 1.0  # how often the loop looks whether a decision is due early (decision_due)
 MIN_TOKENS_TO_JUDGE = 8  # a running reply's TPOT so far counts from this many tokens
 CHUNK_CANDIDATES = (256, 512)
 GOODPUT_MEANING = {"sim": "predicted: the window's requests replayed in the simulator, those within both SLOs per second",
@@ -110,6 +111,7 @@ class Advisor:
         self.inherited_until = 0.0  # when the last request admitted before mode_since ended
         self.last_mode: dict | None = None
         self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
+        self.last_decision = 0.0  # when the loop last decided (time.time())
         self.measured_share: dict[str, tuple[float, float]] = {}  # mode family -> (when, measured / predicted goodput)
         self.task: asyncio.Task | None = None
 
@@ -163,13 +165,35 @@ class Advisor:
         if on and self.task is None:
             self.task = self.router.spawn(self._run())
 
+    def decision_due(self, now: float) -> str | None:
+        """"window" at the window's end; "early" from half a window after the last decision when
+        most of the current mode's own running replies (at least min_requests) are already past an
+        SLO: a mode failing at a phase's turn is seen then, not up to a window later."""
+        since = now - self.last_decision
+        if since >= self.config.window_s:
+            return "window"
+        if since < self.config.window_s / 2:
+            return None
+        running = self._running_so_far(now, self._own_requests_since(now))
+        if len(running) >= self.config.min_requests and 2 * sum(running) < len(running):
+            return "early"
+        return None
+
     async def _run(self) -> None:
+        self.last_decision = time.time()
         while True:
-            await asyncio.sleep(self.config.window_s)
+            await asyncio.sleep(min(EARLY_CHECK_S, self.config.window_s / 4))
             if not self.enabled:
+                self.last_decision = time.time()
                 continue
+            now = time.time()
+            due = self.decision_due(now)
+            if due is None:
+                continue
+            self.last_decision = now
             try:
-                snap, entry = self._open(time.time())
+                snap, entry = self._open(now)
+                entry["due"] = due
                 if snap is not None:  # the replays take a fraction of a second: off the event loop
                     entry = await asyncio.to_thread(self._predict, snap, entry)
                 entry = self._close(entry)
