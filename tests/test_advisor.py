@@ -657,3 +657,23 @@ def test_a_decision_comes_early_when_most_of_the_current_modes_own_running_repli
     router.requests.clear()
     _running(router, a, now, 20, tpot=0.5)
     assert a.decision_due(now) is None
+
+
+def test_an_early_decision_is_followed_by_a_whole_window_and_turning_auto_on_starts_afresh():
+    """Review of the early decisions: one early decision measures half of the window before it
+    again, so a second early one would count three-quarters-overlapping windows as two in a row
+    (and, where every mode fails, predict every half window); and auto turned on again kept the
+    hysteresis count of when it was last on."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)
+    now = time.time()
+    _running(router, a, now, 20, tpot=0.5)
+    a.last_decision, a.last_due = now - 6.0, "early"
+    assert a.decision_due(now) is None  # failing, but the last decision was early: wait for the window
+    assert a.decision_due(now + 4.0) == "window"
+    a.last_due = "window"
+    assert a.decision_due(now) == "early"
+    a.task = object()  # a loop already running: enable() starts no other
+    a.enabled, a.behind = False, 1
+    a.enable(True)
+    assert a.behind == 0 and a.last_due is None and a.last_decision == pytest.approx(time.time(), abs=1.0)
+    assert a.decision_due(time.time()) is None

@@ -1,11 +1,11 @@
-"""`--mode auto`: every window the advisor takes the traffic it measured (each request's arrival,
+"""`--mode auto`: every window (or earlier, see Advisor.decision_due) the advisor takes the traffic it measured (each request's arrival,
 prompt and reply length) and the step times the workers reported, predicts each candidate mode's
 goodput under the configured SLOs, and switches live to the best candidate when it beats the
 current mode by more than `min_gain` and the current mode was predicted behind by that much the
 window before as well (hysteresis: a single noisy window does not flip the mode), or at once when
 the gain passes `decisive_gain` (the current mode predicted to do less than half as well), or
-`credited_decisive_gain` where the current mode is judged by what it measured (the measurement and
-the replay agree: two signals, not one noisy window).
+`credited_decisive_gain` where the current mode is judged by what it measured (its own measurement,
+not only the replay, says it falls short).
 
 Two models predict (`model`):
 - "sim" (the default): the workers' own steps fitted into a step profile, and the window's requests
@@ -111,7 +111,8 @@ class Advisor:
         self.inherited_until = 0.0  # when the last request admitted before mode_since ended
         self.last_mode: dict | None = None
         self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
-        self.last_decision = 0.0  # when the loop last decided (time.time())
+        self.last_decision = 0.0  # when the loop's last decision (and its switch) ended (time.time())
+        self.last_due: str | None = None  # what made it due: "window" or "early" (decision_due)
         self.measured_share: dict[str, tuple[float, float]] = {}  # mode family -> (when, measured / predicted goodput)
         self.task: asyncio.Task | None = None
 
@@ -161,6 +162,8 @@ class Advisor:
 
     # ---- the loop -------------------------------------------------------------------------------
     def enable(self, on: bool = True) -> None:
+        if on and not self.enabled:  # afresh: what was counted when auto was last on is stale
+            self.behind, self.last_decision, self.last_due = 0, time.time(), None
         self.enabled = on
         if on and self.task is None:
             self.task = self.router.spawn(self._run())
@@ -168,11 +171,12 @@ class Advisor:
     def decision_due(self, now: float) -> str | None:
         """"window" at the window's end; "early" from half a window after the last decision when
         most of the current mode's own running replies (at least min_requests) are already past an
-        SLO: a mode failing at a phase's turn is seen then, not up to a window later."""
+        SLO: a mode failing at a phase's turn is seen then, not up to a window later. Never two early
+        decisions in a row: an early one measures half of the window before it again."""
         since = now - self.last_decision
         if since >= self.config.window_s:
             return "window"
-        if since < self.config.window_s / 2:
+        if since < self.config.window_s / 2 or self.last_due == "early":
             return None
         running = self._running_so_far(now, self._own_requests_since(now))
         if len(running) >= self.config.min_requests and 2 * sum(running) < len(running):
@@ -180,18 +184,16 @@ class Advisor:
         return None
 
     async def _run(self) -> None:
-        self.last_decision = time.time()
         while True:
             await asyncio.sleep(min(EARLY_CHECK_S, self.config.window_s / 4))
             if not self.enabled:
                 self.last_decision = time.time()
                 continue
-            now = time.time()
-            due = self.decision_due(now)
-            if due is None:
-                continue
-            self.last_decision = now
+            now, due = time.time(), None
             try:
+                due = self.decision_due(now)
+                if due is None:
+                    continue
                 snap, entry = self._open(now)
                 entry["due"] = due
                 if snap is not None:  # the replays take a fraction of a second: off the event loop
@@ -207,6 +209,9 @@ class Advisor:
                     entry["switch"] = {k: outcome.get(k) for k in ("seconds", "moved", "bytes", "changed")}
             except Exception:
                 log.exception("the advisor's window failed")
+            finally:
+                if due is not None:  # the next window counts from the end of this decision and its switch
+                    self.last_decision, self.last_due = time.time(), due
 
     # ---- one decision -------------------------------------------------------------------------
     def decide(self, now: float) -> dict:
