@@ -113,10 +113,14 @@ def test_a_move_whose_kv_is_lost_on_the_wire_is_redone_and_the_text_is_unchanged
     prompts = [[4, 9, 12, 15] * 6, [4, 7, 12, 15] * 6]  # a move of either loses a part of its KV
     with serving(*TINY, "--kv-transport", "tcp", env=env) as server:
         want = texts(asyncio.run(stream_completions(server.url, prompts, MAX_TOKENS)))
-        greedy, _, (status, answer) = asyncio.run(streams_with_a_switch(
+        wait_for_idle_workers(server, 20)  # the reference's replies released before the placement below
+        greedy, seeded, (status, answer) = asyncio.run(streams_with_a_switch(
             server, {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, prompts=prompts))  # fmt: skip
-        assert status == 200 and texts(greedy) == want
-        timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in greedy]
+        assert status == 200 and answer["switch"]["moved"] + answer["switch"]["not_moved"] > 0, answer
+        assert texts(greedy) == want
+        # the replies on worker 0 move, greedy or seeded: which of the four were placed there is a race
+        # between the two clients (CI failed once with no greedy reply moved; the cause is not settled)
+        timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in greedy + seeded]
         hit = [t for t in timelines if any(m["outcome"] == "failed" for m in t["moves"])]
         assert hit and all(t["redos"] and "move failed" in t["redos"][0]["cause"] for t in hit), timelines
         wait_for_idle_workers(server, 20)
@@ -242,9 +246,11 @@ def test_a_move_that_outlives_its_lease_is_redone_and_leaves_no_block():
     prompts = [[4, 9, 12, 15] * 6, [4, 7, 12, 15] * 6]
     with serving(*TINY, "--kv-transport", "tcp", "--kv-transfer-timeout", "1.5", env=env) as server:
         want = texts(asyncio.run(stream_completions(server.url, prompts, MAX_TOKENS)))
-        greedy, _, (status, answer) = asyncio.run(streams_with_a_switch(
+        wait_for_idle_workers(server, 20)  # the reference's replies released before the placement below
+        greedy, seeded, (status, answer) = asyncio.run(streams_with_a_switch(
             server, {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1}, prompts=prompts))  # fmt: skip
-        assert status == 200 and texts(greedy) == want
+        assert status == 200 and answer["switch"]["moved"] + answer["switch"]["not_moved"] > 0, answer
+        assert texts(greedy) == want
         timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in greedy]
         causes = [x["cause"] for t in timelines for x in t["redos"]]
         assert any("within 1.5 s" in c for c in causes), causes  # the writer's lease or the router's, whichever ends first
