@@ -660,21 +660,33 @@ def test_a_decision_comes_early_when_most_of_the_current_modes_own_running_repli
     assert a.decision_due(now) is None
 
 
-def test_an_early_decision_is_followed_by_a_whole_window_and_turning_auto_on_starts_afresh():
-    """Review of the early decisions: one early decision measures half of the window before it
-    again, so a second early one would count three-quarters-overlapping windows as two in a row
-    (and, where every mode fails, predict every half window); and auto turned on again kept the
-    hysteresis count of when it was last on."""
+def test_an_early_decision_switches_only_on_a_decisive_lead_and_turning_auto_on_starts_afresh():
+    """Review of the early decisions: an early decision measures half of the window before it again,
+    so counting it toward the two windows of the hysteresis would take overlapping windows for two.
+    It switches only where one window would (a decisive lead) and leaves the count as it is; early
+    decisions may follow each other (a phase's turn seen at 85 s with a lead of 19%, then at 90 s
+    with one of 500%: allowing only one early decision per window put the switch at 95 s).
+    And auto turned on again kept the hysteresis count of when it was last on."""
     router, a = advisor_with(model="sim", slo_tpot=0.25)
     now = time.time()
     _running(router, a, now, 20, tpot=0.5)
-    a.last_decision, a.last_due = now - 6.0, "early"
-    assert a.decision_due(now) is None  # failing, but the last decision was early: wait for the window
-    assert a.decision_due(now + 4.0) == "window"
-    a.last_due = "window"
+    a.last_decision = now - 6.0
     assert a.decision_due(now) == "early"
+    a._predict = _canned(1.0, 1.0, 1.5)  # +50% over the prediction; the measurement (0%) says far more
+    a.config.credited_decisive_gain = a.config.decisive_gain = float("inf")  # nothing decisive
+    a.behind = 1  # the window before was behind too: a window decision now would switch
+    snap, entry = a._open(now)
+    entry["due"] = "early"
+    early = a._close(a._predict(snap, entry))
+    assert early["switch_to"] is None and early["decision"].startswith("wait"), early["decision"]
+    assert a.behind == 1  # not counted
+    a.config.credited_decisive_gain = 0.5
+    snap, entry = a._open(now + 5)
+    entry["due"] = "early"
+    decisive = a._close(a._predict(snap, entry))
+    assert decisive["switch_to"] is not None and "after one window" in decisive["decision"], decisive["decision"]
     a.task = object()  # a loop already running: enable() starts no other
     a.enabled, a.behind = False, 1
     a.enable(True)
-    assert a.behind == 0 and a.last_due is None and a.last_decision == pytest.approx(time.time(), abs=1.0)
+    assert a.behind == 0 and a.last_decision == pytest.approx(time.time(), abs=1.0)
     assert a.decision_due(time.time()) is None

@@ -112,7 +112,6 @@ class Advisor:
         self.last_mode: dict | None = None
         self.behind = 0  # windows in a row in which the current mode was predicted behind by > min_gain
         self.last_decision = 0.0  # when the loop's last decision (and its switch) ended (time.time())
-        self.last_due: str | None = None  # what made it due: "window" or "early" (decision_due)
         self.measured_share: dict[str, tuple[float, float]] = {}  # mode family -> (when, measured / predicted goodput)
         self.task: asyncio.Task | None = None
 
@@ -163,7 +162,7 @@ class Advisor:
     # ---- the loop -------------------------------------------------------------------------------
     def enable(self, on: bool = True) -> None:
         if on and not self.enabled:  # afresh: what was counted when auto was last on is stale
-            self.behind, self.last_decision, self.last_due = 0, time.time(), None
+            self.behind, self.last_decision = 0, time.time()
         self.enabled = on
         if on and self.task is None:
             self.task = self.router.spawn(self._run())
@@ -171,12 +170,12 @@ class Advisor:
     def decision_due(self, now: float) -> str | None:
         """"window" at the window's end; "early" from half a window after the last decision when
         most of the current mode's own running replies (at least min_requests) are already past an
-        SLO: a mode failing at a phase's turn is seen then, not up to a window later. Never two early
-        decisions in a row: an early one measures half of the window before it again."""
+        SLO: a mode failing at a phase's turn is seen then, not up to a window later. An early decision
+        measures half of the window before it again: it switches only on a decisive lead (_close)."""
         since = now - self.last_decision
         if since >= self.config.window_s:
             return "window"
-        if since < self.config.window_s / 2 or self.last_due == "early":
+        if since < self.config.window_s / 2:
             return None
         running = self._running_so_far(now, self._own_requests_since(now))
         if len(running) >= self.config.min_requests and 2 * sum(running) < len(running):
@@ -211,7 +210,7 @@ class Advisor:
                 log.exception("the advisor's window failed")
             finally:
                 if due is not None:  # the next window counts from the end of this decision and its switch
-                    self.last_decision, self.last_due = time.time(), due
+                    self.last_decision = time.time()
 
     # ---- one decision -------------------------------------------------------------------------
     def decide(self, now: float) -> dict:
@@ -323,13 +322,14 @@ class Advisor:
         behind = leads and ahead and gain > margin and best["goodput"] - here_goodput > cfg.min_gain * rate
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
-        self.behind = self.behind + 1 if behind else 0
+        early = entry.get("due") == "early"  # overlaps the window before: not a window of its own
+        self.behind = 0 if not behind else self.behind + (0 if early else 1)
         if not leads:
             entry["decision"] = f"stay: {here['label']} is predicted best"
         elif not behind:
             entry["decision"] = (f"stay: {best['label']} is predicted only {change} (threshold {margin:.0%}, "
                                  f"and {cfg.min_gain:.0%} of the {rate:.2f} req/s offered)")  # fmt: skip
-        elif self.behind < 2 and gain <= (cfg.decisive_gain if credited is None else cfg.credited_decisive_gain):
+        elif (self.behind < 2 or early) and gain <= (cfg.decisive_gain if credited is None else cfg.credited_decisive_gain):
             entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
                                  "predicted behind again")  # fmt: skip
         else:
