@@ -185,8 +185,7 @@ class Advisor:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(min(EARLY_CHECK_S, self.config.window_s / 4))
-            if not self.enabled:
-                self.last_decision = time.time()
+            if not self.enabled:  # enable() restarts the window when auto comes back on
                 continue
             now, due = time.time(), None
             try:
@@ -323,17 +322,17 @@ class Advisor:
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
         early = entry.get("due") == "early"  # overlaps the window before: not a window of its own
+        decisive = cfg.decisive_gain if credited is None else cfg.credited_decisive_gain
         self.behind = 0 if not behind else self.behind + (0 if early else 1)
         if not leads:
             entry["decision"] = f"stay: {here['label']} is predicted best"
         elif not behind:
             entry["decision"] = (f"stay: {best['label']} is predicted only {change} (threshold {margin:.0%}, "
                                  f"and {cfg.min_gain:.0%} of the {rate:.2f} req/s offered)")  # fmt: skip
-        elif (self.behind < 2 or early) and gain <= (cfg.decisive_gain if credited is None else cfg.credited_decisive_gain):
+        elif (self.behind < 2 or early) and gain <= decisive:
             entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
                                  "predicted behind again")  # fmt: skip
         else:
-            decisive = cfg.decisive_gain if credited is None else cfg.credited_decisive_gain
             entry["decision"] = f"switch to {best['label']}: predicted goodput {change}" + (
                 "" if self.behind >= 2 else f" (above {decisive:.0%}: after one window)")
             entry["switch_to"] = best["mode"]
