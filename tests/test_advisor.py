@@ -434,12 +434,14 @@ def test_running_replies_of_a_phase_whose_replies_run_to_their_max_tokens_are_re
     assert reply_fill([Arrival(0.0, 100, None, output_tokens=50)]) is None
 
 
-def _running(router, a, now: float, count: int, tpot: float, ttft: float = 0.2, tokens: int = 30) -> None:
-    """Requests that arrived in the window and are still streaming, `tokens` made so far."""
+def _running(router, a, now: float, count: int, tpot: float, ttft: float = 0.2, tokens: int = 30,
+             first: float = 9.0, apart: float = 0.3) -> None:
+    """Requests that arrived in the window (the first `first` seconds before `now`) and are still
+    streaming, `tokens` made so far."""
     from types import SimpleNamespace
 
     for i in range(count):
-        arrival = now - 9 + i * 0.3
+        arrival = now - first + i * apart
         key = f"run{now:.3f}-{i}"
         a.on_arrival(arrival, 30, 400, key)
         times = [arrival + ttft + j * tpot for j in range(tokens)]
@@ -690,3 +692,26 @@ def test_an_early_decision_switches_only_on_a_decisive_lead_and_turning_auto_on_
     a.enable(True)
     assert a.behind == 0 and a.last_decision == pytest.approx(time.time(), abs=1.0)
     assert a.decision_due(time.time()) is None
+
+
+def test_an_early_decision_measures_and_replays_only_what_came_since_the_last_decision():
+    """Seen on the default model (phases chat,generate,chat at 2.5 req/s, TPOT SLO 50 ms, 10 s
+    windows): 4.5 s into the generate phase the running replies under disagg:1p1d were failing and
+    an early decision came, but it measured and replayed the full 10 s before it, half of it chat:
+    disagg credited 3.03 req/s (74% measured within the SLOs), chunked:256 predicted +19%, and it
+    stayed; the switch came 5 s later, at 450%. An early decision looks at the time since the last
+    decision (half a window or more), where the turn of the phase is most of what it sees."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)
+    now = time.time()
+    a.last_decision = now - 5.0
+    feed(a, now - 5.0, 2.0, 100, 20, 5.0)  # the phase before: 10 replies within the SLOs, all before it
+    _running(router, a, now, 15, tpot=0.5, tokens=8, first=5.0, apart=0.2)  # since it: every one failing
+    assert a.decision_due(now) == "early"
+    snap, entry = a._open(now, "early")
+    assert entry["window_s"] == pytest.approx(5.0, abs=0.05) and entry["due"] == "early"
+    assert entry["measured_current"]["requests"] == 15 and entry["measured_current"]["slo_attainment"] == 0.0
+    entry = a._predict(snap, entry)
+    assert entry["traffic"]["rate"] == pytest.approx(15 / 5.0, rel=0.02)
+    assert all(row["slo_attainment"] is not None for row in entry["predictions"])
+    snap, entry = a._open(now, "window")  # a window's decision still measures all of the window
+    assert entry["window_s"] == 10.0 and entry["measured_current"]["requests"] == 25

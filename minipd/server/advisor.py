@@ -192,8 +192,7 @@ class Advisor:
                 due = self.decision_due(now)
                 if due is None:
                     continue
-                snap, entry = self._open(now)
-                entry["due"] = due
+                snap, entry = self._open(now, due)
                 if snap is not None:  # the replays take a fraction of a second: off the event loop
                     entry = await asyncio.to_thread(self._predict, snap, entry)
                 entry = self._close(entry)
@@ -212,19 +211,21 @@ class Advisor:
                     self.last_decision = time.time()
 
     # ---- one decision -------------------------------------------------------------------------
-    def decide(self, now: float) -> dict:
-        """One window's decision, all on the caller's thread."""
-        snap, entry = self._open(now)
+    def decide(self, now: float, due: str = "window") -> dict:
+        """One decision, all on the caller's thread."""
+        snap, entry = self._open(now, due)
         return self._close(self._predict(snap, entry) if snap is not None else entry)
 
-    def _open(self, now: float) -> tuple[Snapshot | None, dict]:
-        """Measure the window that ended, and copy what the prediction needs (None: too little)."""
+    def _open(self, now: float, due: str = "window") -> tuple[Snapshot | None, dict]:
+        """Measure the window that ended, and copy what the prediction needs (None: too little). An
+        early decision's window is the time since the last decision: the turn that made it early is
+        most of what it sees, not diluted by the half window before it."""
         cfg = self.config
-        start = now - cfg.window_s
+        span = cfg.window_s if due != "early" else min(cfg.window_s, max(cfg.window_s / 2, now - self.last_decision))
+        start = now - span
         self._forget(now)
         window = [f for f in self.finished if f.end >= start]
-        self.finished = deque(window)
-        measured = self._measured(window)
+        measured = self._measured(window, span=span)
         if self.entries and "measured_next" not in self.entries[-1]:
             self.entries[-1]["measured_next"] = measured  # what the last decision led to
         current = self.router.mode
@@ -232,10 +233,10 @@ class Advisor:
             self.mode_since = max(self.mode_since, now - cfg.window_s / 2)  # switched by hand within the window
         self.last_mode = current.as_dict()
         own = self._own_requests_since(now)
-        entry = {"time": now, "window_s": cfg.window_s, "model": cfg.model, "current": current.as_dict(),
+        entry = {"time": now, "window_s": span, "due": due, "model": cfg.model, "current": current.as_dict(),
                  "measured": measured, "switch_to": None,
                  "measured_current": self._measured([f for f in window if f.arrival >= own],
-                                                    self._running_so_far(now, own))}  # fmt: skip
+                                                    self._running_so_far(now, own), span)}  # fmt: skip
         arrived = [a for a in self.arrivals if a.time >= start]
         if len(arrived) < cfg.min_requests:
             entry["decision"] = "wait: too little traffic to predict"
@@ -263,10 +264,11 @@ class Advisor:
 
     def _predict_all(self, snap: Snapshot, entry: dict) -> dict:
         cfg = self.config
-        arrived = [a for a in snap.arrivals if a.time >= snap.now - cfg.window_s]
+        span = entry["window_s"]
+        arrived = [a for a in snap.arrivals if a.time >= snap.now - span]
         prompts = sorted(a.prompt_tokens for a in arrived)
         replies = snap.outputs or [a.max_tokens or 256 for a in arrived]  # none finished yet: their max_tokens
-        traffic = Traffic(len(arrived) / cfg.window_s, statistics.fmean(prompts), statistics.fmean(replies))
+        traffic = Traffic(len(arrived) / span, statistics.fmean(prompts), statistics.fmean(replies))
         entry["traffic"] = {"rate": traffic.rate, "prompt_tokens": traffic.prompt_tokens,
                             "output_tokens": traffic.output_tokens}  # fmt: skip
         modes = candidates(snap.current, snap.num_workers, prompts)
@@ -281,7 +283,7 @@ class Advisor:
                                 "per_attention_pair", "per_decode", "per_decode_context", "per_mixed_decode",
                                 "decode_bends", "prefill_bends", "co_runner", "co_runner_prompt", "co_runner_by_prompts",
                                 "co_runner_prompt_by_prompts")}, "fit": quality}  # fmt: skip
-            rows = [self._sim_row(m, profile, snap) for m in modes]
+            rows = [self._sim_row(m, profile, snap, span) for m in modes]
         else:
             profile = self.planner_profile(snap)
             if profile is None:
@@ -399,14 +401,15 @@ class Advisor:
     def _meets(self, ttft: float, tpot: float) -> bool:
         return ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s
 
-    def _measured(self, window: list[Finished], running: list[bool] = ()) -> dict:
-        """The window's finished requests, and `running` (each one's status so far) beside them."""
+    def _measured(self, window: list[Finished], running: list[bool] = (), span: float | None = None) -> dict:
+        """The window's finished requests, and `running` (each one's status so far) beside them;
+        goodput per second of `span` (the window's length)."""
         cfg = self.config
         good = [f for f in window if f.ttft is not None and self._meets(f.ttft, f.tpot or 0.0)]
         ttfts = [f.ttft for f in window if f.ttft is not None]
         tpots = [f.tpot for f in window if f.tpot is not None]
         judged = len(window) + len(running)
-        return {"requests": judged, "running": len(running), "goodput": len(good) / cfg.window_s,
+        return {"requests": judged, "running": len(running), "goodput": len(good) / (span or cfg.window_s),
                 "slo_attainment": (len(good) + sum(running)) / judged if judged else None,
                 "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
                 "tpot_mean_s": statistics.fmean(tpots) if tpots else None}  # fmt: skip
@@ -423,10 +426,10 @@ class Advisor:
         return shape
 
     # ---- the models -----------------------------------------------------------------------------
-    def _sim_row(self, mode: Mode, profile: StepProfile, snap: Snapshot) -> dict:
+    def _sim_row(self, mode: Mode, profile: StepProfile, snap: Snapshot, span: float) -> dict:
         cfg = self.config
-        got = advisor_sim.replay(profile, snap.arrivals, mode, snap.num_workers, snap.now - cfg.window_s,
-                                 cfg.slo_ttft_s, cfg.slo_tpot_s, cfg.window_s, snap.transport)  # fmt: skip
+        got = advisor_sim.replay(profile, snap.arrivals, mode, snap.num_workers, snap.now - span,
+                                 cfg.slo_ttft_s, cfg.slo_tpot_s, span, snap.transport)  # fmt: skip
         margin = self._margin(got["ttft_p90_s"] or 0.0, got["tpot_p90_s"] or 0.0)
         return {"label": _label(mode), "mode": _mode_fields(mode), **got, "slo_margin": _finite(margin)}
 
