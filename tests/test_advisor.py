@@ -694,24 +694,25 @@ def test_an_early_decision_switches_only_on_a_decisive_lead_and_turning_auto_on_
     assert a.decision_due(time.time()) is None
 
 
-def test_an_early_decision_measures_and_replays_only_what_came_since_the_last_decision():
+def test_an_early_decision_measures_and_replays_the_requests_since_its_failing_replies_began():
     """Seen on the default model (phases chat,generate,chat at 2.5 req/s, TPOT SLO 50 ms, 10 s
     windows): 4.5 s into the generate phase the running replies under disagg:1p1d were failing and
-    an early decision came, but it measured and replayed the full 10 s before it, half of it chat:
-    disagg credited 3.03 req/s (74% measured within the SLOs), chunked:256 predicted +19%, and it
-    stayed; the switch came 5 s later, at 450%. An early decision looks at the time since the last
-    decision (half a window or more), where the turn of the phase is most of what it sees."""
+    an early decision came, 9.2 s after the last one, but it measured and replayed the full 10 s
+    before it, half of it chat: disagg credited 3.03 req/s (74% measured within the SLOs),
+    chunked:256 predicted +19%, and it stayed; the switch came 5 s later, at 450%. An early
+    decision looks at the requests that arrived from the first failing reply's arrival on (a
+    quarter of a window at least, a window at most): the turn is what it sees."""
     router, a = advisor_with(model="sim", slo_tpot=0.25)
     now = time.time()
-    a.last_decision = now - 5.0
-    feed(a, now - 5.0, 2.0, 100, 20, 5.0)  # the phase before: 10 replies within the SLOs, all before it
-    _running(router, a, now, 15, tpot=0.5, tokens=8, first=5.0, apart=0.2)  # since it: every one failing
+    a.last_decision = now - 9.2
+    feed(a, now - 4.0, 2.0, 100, 20, 6.0)  # the phase before: 12 replies within the SLOs, the last done 4 s ago
+    _running(router, a, now, 15, tpot=0.5, tokens=8, first=4.4, apart=0.2)  # the turn: every one failing
     assert a.decision_due(now) == "early"
     snap, entry = a._open(now, "early")
-    assert entry["window_s"] == pytest.approx(5.0, abs=0.05) and entry["due"] == "early"
+    assert entry["window_s"] == pytest.approx(4.4, abs=0.05) and entry["due"] == "early"
     assert entry["measured_current"]["requests"] == 15 and entry["measured_current"]["slo_attainment"] == 0.0
     entry = a._predict(snap, entry)
-    assert entry["traffic"]["rate"] == pytest.approx(15 / 5.0, rel=0.02)
+    assert entry["traffic"]["rate"] == pytest.approx(15 / 4.4, rel=0.02)
     assert all(row["slo_attainment"] is not None for row in entry["predictions"])
     snap, entry = a._open(now, "window")  # a window's decision still measures all of the window
-    assert entry["window_s"] == 10.0 and entry["measured_current"]["requests"] == 25
+    assert entry["window_s"] == 10.0 and entry["measured_current"]["requests"] == 27

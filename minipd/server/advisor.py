@@ -171,7 +171,8 @@ class Advisor:
         """"window" at the window's end; "early" from half a window after the last decision when
         most of the current mode's own running replies (at least min_requests) are already past an
         SLO: a mode failing at a phase's turn is seen then, not up to a window later. An early decision
-        measures half of the window before it again: it switches only on a decisive lead (_close)."""
+        measures the requests since its failing replies began (_early_span), which a window decision
+        measures again: it switches only on a decisive lead (_close)."""
         since = now - self.last_decision
         if since >= self.config.window_s:
             return "window"
@@ -218,13 +219,13 @@ class Advisor:
 
     def _open(self, now: float, due: str = "window") -> tuple[Snapshot | None, dict]:
         """Measure the window that ended, and copy what the prediction needs (None: too little). An
-        early decision's window is the time since the last decision: the turn that made it early is
-        most of what it sees, not diluted by the half window before it."""
+        early decision measures and replays the requests that arrived since its failing replies
+        began (_early_span): the turn that made it early, not the phase before it."""
         cfg = self.config
-        span = cfg.window_s if due != "early" else min(cfg.window_s, max(cfg.window_s / 2, now - self.last_decision))
+        span = cfg.window_s if due != "early" else self._early_span(now)
         start = now - span
         self._forget(now)
-        window = [f for f in self.finished if f.end >= start]
+        window = [f for f in self.finished if f.end >= start and (due != "early" or f.arrival >= start)]
         measured = self._measured(window, span=span)
         if self.entries and "measured_next" not in self.entries[-1]:
             self.entries[-1]["measured_next"] = measured  # what the last decision led to
@@ -386,6 +387,9 @@ class Advisor:
         """For each request still running that is the current mode's own (arrived from `since`) and can
         be judged yet: whether it is within both SLOs so far. A long reply finishes windows after it
         arrived; one already past an SLO tells at once what its mode does to it."""
+        return [ok for _, ok in self._judged_running(now, since)]
+
+    def _judged_running(self, now: float, since: float) -> list[tuple[float, bool]]:
         out = []
         for state in list(self.router.requests.values()):
             if state.arrival < since:
@@ -393,10 +397,18 @@ class Advisor:
             t = state.token_times
             if not t:
                 if now - state.arrival > self.config.slo_ttft_s:
-                    out.append(False)
+                    out.append((state.arrival, False))
             elif len(t) >= MIN_TOKENS_TO_JUDGE or t[0] - state.arrival > self.config.slo_ttft_s:
-                out.append(self._meets(t[0] - state.arrival, (t[-1] - t[0]) / max(1, len(t) - 1)))
+                out.append((state.arrival, self._meets(t[0] - state.arrival, (t[-1] - t[0]) / max(1, len(t) - 1))))
         return out
+
+    def _early_span(self, now: float) -> float:
+        """An early decision's window: from the arrival of the first of the current mode's own
+        running replies that fail (the turn that made it early), a quarter of a window at least
+        and a window at most."""
+        cfg = self.config
+        failing = [arrival for arrival, ok in self._judged_running(now, self._own_requests_since(now)) if not ok]
+        return min(cfg.window_s, max(cfg.window_s / 4, now - min(failing, default=now - cfg.window_s)))
 
     def _meets(self, ttft: float, tpot: float) -> bool:
         return ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s
