@@ -442,7 +442,7 @@ def _running(router, a, now: float, count: int, tpot: float, ttft: float = 0.2, 
 
     for i in range(count):
         arrival = now - first + i * apart
-        key = f"run{now:.3f}-{i}"
+        key = f"run{now:.3f}-{first}-{i}"
         a.on_arrival(arrival, 30, 400, key)
         times = [arrival + ttft + j * tpot for j in range(tokens)]
         router.requests[key] = SimpleNamespace(arrival=arrival, output_token_ids=[0] * tokens, token_times=times)
@@ -716,3 +716,29 @@ def test_an_early_decision_measures_and_replays_the_requests_since_its_failing_r
     assert all(row["slo_attainment"] is not None for row in entry["predictions"])
     snap, entry = a._open(now, "window")  # a window's decision still measures all of the window
     assert entry["window_s"] == 10.0 and entry["measured_current"]["requests"] == 27
+
+
+def test_an_early_window_judges_only_its_own_arrivals_and_holds_enough_of_them_to_predict():
+    """Review of the early window: replies still running from before it (passing ones, since the
+    window starts at the first failing one) were counted in its measurement; and a window of three
+    arrivals (a majority of five judged replies failing) ended "wait: too little traffic" and
+    still pushed the next decision a window back. The window reaches back until it holds
+    min_requests arrivals (a window at most)."""
+    router, a = advisor_with(model="sim", slo_tpot=0.25)
+    now = time.time()
+    a.last_decision = now - 6.0
+    _running(router, a, now, 8, tpot=0.1, tokens=8, first=9.0, apart=0.3)  # older, within the SLOs
+    _running(router, a, now, 12, tpot=0.5, tokens=8, first=4.0, apart=0.2)  # the turn: failing
+    assert a.decision_due(now) == "early"
+    _, entry = a._open(now, "early")
+    assert entry["window_s"] == pytest.approx(4.0, abs=0.05)
+    assert entry["measured_current"]["requests"] == 12 and entry["measured_current"]["slo_attainment"] == 0.0
+    router.requests.clear()
+    router2, b = advisor_with(model="sim", slo_tpot=0.25)
+    b.last_decision = now - 6.0
+    _running(router2, b, now, 2, tpot=0.1, tokens=8, first=8.0, apart=1.0)  # arrived 8 and 7 s ago
+    _running(router2, b, now, 3, tpot=0.5, tokens=8, first=3.0, apart=0.2)  # three of five failing
+    assert b.decision_due(now) == "early"
+    snap, entry = b._open(now, "early")
+    assert entry["window_s"] == pytest.approx(8.0, abs=0.05) and snap is not None, entry.get("decision")
+    assert entry["measured_current"]["requests"] == 5

@@ -171,8 +171,8 @@ class Advisor:
         """"window" at the window's end; "early" from half a window after the last decision when
         most of the current mode's own running replies (at least min_requests) are already past an
         SLO: a mode failing at a phase's turn is seen then, not up to a window later. An early decision
-        measures the requests since its failing replies began (_early_span), which a window decision
-        measures again: it switches only on a decisive lead (_close)."""
+        measures the requests since its failing replies began (_early_span): a few seconds chosen
+        because they fail, so it switches only on a decisive lead and is not a window (_close)."""
         since = now - self.last_decision
         if since >= self.config.window_s:
             return "window"
@@ -222,22 +222,23 @@ class Advisor:
         early decision measures and replays the requests that arrived since its failing replies
         began (_early_span): the turn that made it early, not the phase before it."""
         cfg = self.config
-        span = cfg.window_s if due != "early" else self._early_span(now)
-        start = now - span
         self._forget(now)
-        window = [f for f in self.finished if f.end >= start and (due != "early" or f.arrival >= start)]
-        measured = self._measured(window, span=span)
-        if self.entries and "measured_next" not in self.entries[-1]:
-            self.entries[-1]["measured_next"] = measured  # what the last decision led to
+        if self.entries and "measured_next" not in self.entries[-1]:  # what the last decision led to: a window
+            self.entries[-1]["measured_next"] = self._measured([f for f in self.finished if f.end >= now - cfg.window_s])
         current = self.router.mode
         if self.last_mode is not None and current.as_dict() != self.last_mode:
             self.mode_since = max(self.mode_since, now - cfg.window_s / 2)  # switched by hand within the window
         self.last_mode = current.as_dict()
         own = self._own_requests_since(now)
+        early = due == "early"
+        span = self._early_span(now, own) if early else cfg.window_s
+        start = now - span
+        window = [f for f in self.finished if f.end >= start and (not early or f.arrival >= start)]
+        measured = self._measured(window, span=span)
+        running = self._running_so_far(now, max(own, start) if early else own)
         entry = {"time": now, "window_s": span, "due": due, "model": cfg.model, "current": current.as_dict(),
                  "measured": measured, "switch_to": None,
-                 "measured_current": self._measured([f for f in window if f.arrival >= own],
-                                                    self._running_so_far(now, own), span)}  # fmt: skip
+                 "measured_current": self._measured([f for f in window if f.arrival >= own], running, span)}  # fmt: skip
         arrived = [a for a in self.arrivals if a.time >= start]
         if len(arrived) < cfg.min_requests:
             entry["decision"] = "wait: too little traffic to predict"
@@ -324,7 +325,7 @@ class Advisor:
         behind = leads and ahead and gain > margin and best["goodput"] - here_goodput > cfg.min_gain * rate
         # hysteresis on the current mode being behind, not on which mode leads: near-equal candidates
         # (colocated and chunked; local-prefill thresholds, quantiles of each window's prompts) trade the lead
-        early = entry.get("due") == "early"  # overlaps the window before: not a window of its own
+        early = entry.get("due") == "early"  # a few seconds chosen because they fail: not a window of its own
         decisive = cfg.decisive_gain if credited is None else cfg.credited_decisive_gain
         self.behind = 0 if not behind else self.behind + (0 if early else 1)
         if not leads:
@@ -402,13 +403,18 @@ class Advisor:
                 out.append((state.arrival, self._meets(t[0] - state.arrival, (t[-1] - t[0]) / max(1, len(t) - 1))))
         return out
 
-    def _early_span(self, now: float) -> float:
+    def _early_span(self, now: float, own: float) -> float:
         """An early decision's window: from the arrival of the first of the current mode's own
-        running replies that fail (the turn that made it early), a quarter of a window at least
-        and a window at most."""
+        running replies that fail (the turn that made it early), or further back where that holds
+        fewer than min_requests arrivals to predict from; a quarter of a window at least and a
+        window at most."""
         cfg = self.config
-        failing = [arrival for arrival, ok in self._judged_running(now, self._own_requests_since(now)) if not ok]
-        return min(cfg.window_s, max(cfg.window_s / 4, now - min(failing, default=now - cfg.window_s)))
+        failing = [arrival for arrival, ok in self._judged_running(now, own) if not ok]
+        start = min(failing, default=now - cfg.window_s)
+        times = sorted(a.time for a in self.arrivals)
+        if len(times) >= cfg.min_requests:
+            start = min(start, times[-cfg.min_requests])
+        return min(cfg.window_s, max(cfg.window_s / 4, now - start))
 
     def _meets(self, ttft: float, tpot: float) -> bool:
         return ttft <= self.config.slo_ttft_s and tpot <= self.config.slo_tpot_s
