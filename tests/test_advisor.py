@@ -742,3 +742,32 @@ def test_an_early_window_judges_only_its_own_arrivals_and_holds_enough_of_them_t
     snap, entry = b._open(now, "early")
     assert entry["window_s"] == pytest.approx(8.0, abs=0.05) and snap is not None, entry.get("decision")
     assert entry["measured_current"]["requests"] == 5
+
+
+def test_a_candidate_the_replay_cannot_run_is_scored_as_failing_and_the_window_still_decides(monkeypatch):
+    """Defect found by a new user (default model, 2 req/s, every third prompt ~1,470 tokens): after a
+    switch to disagg:1p1d with local prefill, the replay of that mode raised OutOfBlocks inside the
+    simulator; the whole window failed, left no entry in GET /admin/advisor, and auto stayed in a
+    mode that met none of the SLOs. A candidate whose replay fails is now a row with the error and
+    no goodput; the others are still predicted and the decision is made and published."""
+    from minipd.engine.block_manager import OutOfBlocks
+    from minipd.server import advisor_sim
+
+    real = advisor_sim.replay
+
+    def replay(profile, arrivals, mode, *args, **kwargs):
+        if mode.name == "disagg" and mode.local_prefill_tokens:
+            raise OutOfBlocks("need 6 blocks beyond bookings, 3 available")
+        return real(profile, arrivals, mode, *args, **kwargs)
+
+    monkeypatch.setattr(advisor_sim, "replay", replay)
+    router, a = advisor_with(model="sim")
+    now = time.time()
+    feed(a, now, 1.5, 1000, 100, 10.0)
+    feed(a, now, 2.0, 50, 100, 10.0)
+    entry = a.decide(now)
+    failed = [row for row in entry["predictions"] if "error" in row]
+    assert failed and all(row["label"].startswith("disagg:1p1d local<") for row in failed), entry["predictions"]
+    assert all(row["goodput"] == 0.0 and "OutOfBlocks" in row["error"] for row in failed)
+    assert any("error" not in row and row["goodput"] > 0 for row in entry["predictions"])
+    assert a.entries[-1] is entry and entry["decision"]

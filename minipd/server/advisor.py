@@ -446,8 +446,13 @@ class Advisor:
     # ---- the models -----------------------------------------------------------------------------
     def _sim_row(self, mode: Mode, profile: StepProfile, snap: Snapshot, span: float) -> dict:
         cfg = self.config
-        got = advisor_sim.replay(profile, snap.arrivals, mode, snap.num_workers, snap.now - span,
-                                 cfg.slo_ttft_s, cfg.slo_tpot_s, span, snap.transport)  # fmt: skip
+        try:
+            got = advisor_sim.replay(profile, snap.arrivals, mode, snap.num_workers, snap.now - span,
+                                     cfg.slo_ttft_s, cfg.slo_tpot_s, span, snap.transport)  # fmt: skip
+        except Exception as err:  # a replay the simulator cannot run scores nothing; the others still decide
+            log.warning("the advisor's replay of %s failed: %r", _label(mode), err)
+            return {"label": _label(mode), "mode": _mode_fields(mode), "goodput": 0.0, "slo_attainment": 0.0,
+                    "slo_margin": None, "error": f"{type(err).__name__}: {err}"}  # fmt: skip
         margin = self._margin(got["ttft_p90_s"] or 0.0, got["tpot_p90_s"] or 0.0)
         return {"label": _label(mode), "mode": _mode_fields(mode), **got, "slo_margin": _finite(margin)}
 
