@@ -411,9 +411,8 @@ class Advisor:
         cfg = self.config
         failing = [arrival for arrival, ok in self._judged_running(now, own) if not ok]
         start = min(failing, default=now - cfg.window_s)
-        times = sorted(a.time for a in self.arrivals)
-        if len(times) >= cfg.min_requests:
-            start = min(start, times[-cfg.min_requests])
+        if len(self.arrivals) >= cfg.min_requests:  # in order of arrival, as _forget relies on too
+            start = min(start, self.arrivals[-cfg.min_requests].time)
         return min(cfg.window_s, max(cfg.window_s / 4, now - start))
 
     def _meets(self, ttft: float, tpot: float) -> bool:
