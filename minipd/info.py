@@ -23,6 +23,24 @@ def _prefill_linears(onednn: bool, onednn_max_rows: int) -> str:
     return f"oneDNN, prepacked weights, up to {onednn_max_rows} rows; then PyTorch (MKL)"
 
 
+def _unpacked_prefill(onednn_max_rows: int) -> str:
+    return "oneDNN" if onednn_max_rows == sys.maxsize else f"oneDNN to {onednn_max_rows} rows, then MKL"
+
+
+def _blocked_source(isa: str | None, in_use: bool) -> str:
+    """Why blocked_linear runs here or not: forced, known for the ISA, or measured on this CPU."""
+    from minipd.models import blocked_choice, cpu_kernels, kernel_build
+
+    state = "on" if in_use else "off"
+    if forced := os.environ.get(kernel_build.BLOCKED_ENV, "").strip():
+        return f"{state} ({kernel_build.BLOCKED_ENV}={forced})"
+    if isa in cpu_kernels.BLOCKED_ISAS:
+        return f"{state} (known for {isa})"
+    if isa in kernel_build.MEASURED_BLOCKED_ISAS and cpu_kernels.small_linear_available():
+        return blocked_choice.summary(blocked_choice.cached())
+    return f"{state} (needs vector kernels)"
+
+
 def cpu_name() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -63,7 +81,8 @@ def describe(head_dim: int = 64) -> dict:
         "decode_linears": f"{blocked}; {unpacked})" if blocks
         else f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then oneDNN (prepacked)"
         if vectors else ("oneDNN" if onednn else "PyTorch (MKL)"),
-        "prefill_linears": f"{blocked}; with --no-prepack: oneDNN)" if blocks
+        "prefill_linears": f"{blocked}; with --no-prepack: {_unpacked_prefill(cpu_kernels.onednn_max_rows())})"
+        if blocks
         else _prefill_linears(onednn, cpu_kernels.onednn_max_rows()),
         "elementwise": "minipd fused RMSNorm, SiLU x up, rotary" if built else "PyTorch operators",
     }
@@ -94,7 +113,8 @@ def describe(head_dim: int = 64) -> dict:
                 "torch_capability": torch.backends.cpu.get_cpu_capability()},  # fmt: skip
         "kernels": {"built": built, "isa": isa, "vector_kernels": vectors, "note": build_line.removeprefix("minipd: "),
                     "error": cpu_kernels.error() or None, "forced_isa": os.environ.get(kernel_build.ISA_ENV) or None,
-                    "disabled": bool(os.environ.get("MINIPD_NO_KERNEL"))},  # fmt: skip
+                    "disabled": bool(os.environ.get("MINIPD_NO_KERNEL")),
+                    "blocked_linear": _blocked_source(isa, blocks)},  # fmt: skip
         "paths": {"float32": f32, "bfloat16": bf16},
         "default_dtype": "float32",
         "threads": torch.get_num_threads(),
@@ -113,6 +133,7 @@ def render(info: dict) -> str:
         f"kernels    {k['note']}" + (f" [{k['error']}]" if k["error"] else ""),
         f"           built for {k['isa'] or '-'}; vector kernels (small_linear, paged_prefill) "
         + ("in use" if k["vector_kernels"] else "not in use"),
+        f"           blocked_linear (float32 products on column-blocked weights): {k['blocked_linear']}",
         f"threads    {info['threads']} (torch)",
         f"versions   python {v['python']}, torch {v['torch']}, oneDNN {v['onednn'] or '-'}, "
         f"MKL {'yes' if v['mkl'] else 'no'}",

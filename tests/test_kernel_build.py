@@ -107,6 +107,7 @@ def test_waiting_on_a_young_lock_ends_when_it_goes_stale(extensions_dir):
 
 
 def test_the_first_start_prints_one_progress_line_and_a_cached_start_none(extensions_dir, monkeypatch, capsys):
+    monkeypatch.setenv(kernel_build.BLOCKED_ENV, "1")  # nothing to measure after the build (the test below)
     library = kernel_build.library_path()
     fake_build(
         monkeypatch, f"import pathlib; p = pathlib.Path({str(library)!r}); p.parent.mkdir(parents=True); p.touch()"
@@ -233,6 +234,7 @@ def test_decode_rows_go_to_the_small_row_kernel_as_far_as_it_beats_onednn_on_thi
 
     monkeypatch.setattr(cpu_kernels, "kernel_isa", lambda: isa)
     monkeypatch.setattr(cpu_kernels, "small_linear_available", lambda: True)
+    monkeypatch.setenv(cpu_kernels.BLOCKED_ENV, "0")  # the paths without blocked_linear (measured per CPU)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN: nothing is prepacked")
     try:
@@ -294,6 +296,7 @@ def test_prefill_products_go_to_mkl_from_the_rows_where_it_beats_onednn_without_
         pytest.skip("no oneDNN")
     cpu_kernels.small_linear_available()  # built and decided for this CPU before its flags are faked
     monkeypatch.setattr(cpu_kernels.kernel_build, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setenv(cpu_kernels.BLOCKED_ENV, "0")  # the paths without blocked_linear (measured per CPU)
     calls = []
     real_linear = F.linear
     monkeypatch.setattr(linear_mod.F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real_linear(*a, **k))
@@ -348,3 +351,27 @@ def test_a_model_off_the_cpu_kernels_never_asks_for_them(monkeypatch, tiny_model
     finally:
         monkeypatch.undo()
         use_cpu_kernels(tiny_model)
+
+
+def test_blocked_linear_is_measured_in_the_build_child_once_where_its_isa_is_not_known(extensions_dir, monkeypatch,
+                                                                                       capsys):  # fmt: skip
+    """On AVX2 and NEON blocked_linear runs only where it measured faster (blocked_choice.py): a cached
+    build without that measurement starts the child once more to take it, before the workers spawn;
+    with the measurement kept, or MINIPD_BLOCKED_LINEAR set, or on AVX-512 (known), it does not."""
+    monkeypatch.setattr(kernel_build, "cpu_flags", lambda: AVX2)
+    monkeypatch.delenv(kernel_build.BLOCKED_ENV, raising=False)
+    library = kernel_build.library_path()
+    library.parent.mkdir(parents=True)
+    library.touch()
+    choice = library.parent / kernel_build.BLOCKED_CHOICE_FILE
+    assert kernel_build.blocked_choice_due("avx2") and not kernel_build.blocked_choice_due("avx512")
+    fake_build(monkeypatch, f"import pathlib; pathlib.Path({str(choice)!r}).write_text('{{}}')")
+    outcome = kernel_build.build_in_child(timeout=30)
+    assert "measured" in outcome and choice.is_file()
+    assert "measuring blocked_linear" in capsys.readouterr().err
+    fake_build(monkeypatch, "raise SystemExit('must not run: measured already')")
+    assert "cached" in kernel_build.build_in_child(timeout=30)
+    choice.unlink()
+    monkeypatch.setenv(kernel_build.BLOCKED_ENV, "0")
+    assert not kernel_build.blocked_choice_due("avx2")
+    assert "cached" in kernel_build.build_in_child(timeout=30)

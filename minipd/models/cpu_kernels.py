@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from minipd.models import kernel_build
+from minipd.models import blocked_choice, kernel_build
 
 log = logging.getLogger("minipd.kernel")
 _state: dict = {}
@@ -28,7 +28,8 @@ ROWS_BESIDE_PACKED = {"avx512": 2}
 # of a Linear, in place of small_linear and oneDNN's prepacked product: on the AVX-512 EPYC (Zen 4)
 # it read the default model's weights 1.5x faster than small_linear at 1-2 rows, 1.7x faster than
 # oneDNN packed at 8 and 1.1x at 32, and multiplied as fast as oneDNN packed at 64-2,048 rows
-# (scripts/bench_small_linear.py). The AVX2 build is tested but unmeasured on an AVX2 machine: off there.
+# (scripts/bench_small_linear.py). Elsewhere (kernel_build.MEASURED_BLOCKED_ISAS) it is measured
+# once per build against the paths it would replace (blocked_choice.py).
 BLOCKED_ISAS = ("avx512",)
 PREFILL_HEAD_DIMS = (16, 32, 48, 64, 128, 192, 256)
 # rows from which MKL's float32 product (F.linear) beats oneDNN's on prepacked weights: on the AVX2
@@ -79,11 +80,25 @@ def prefill_bfloat16_dot() -> bool:
     return available() and bool(torch.ops.minipd.prefill_bfloat16_dot())
 
 
+BLOCKED_ENV = kernel_build.BLOCKED_ENV  # 1 or 0: blocked_linear on or off wherever the vector kernels run
+
+
 def blocked_linear_in_use() -> bool:
     """Whether a float32 Linear with prepacked weights holds them in column blocks and multiplies
-    them with minipd's blocked_linear at every row count (BLOCKED_ISAS)."""
+    them with minipd's blocked_linear at every row count (BLOCKED_ISAS, or MINIPD_BLOCKED_LINEAR)."""
     isa = kernel_isa()
-    return isa in BLOCKED_ISAS and kernel_build.vector_kernels_usable(isa, kernel_build.cpu_flags())
+    if not kernel_build.vector_kernels_usable(isa, kernel_build.cpu_flags()):
+        return False
+    forced = os.environ.get(BLOCKED_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{BLOCKED_ENV}={forced!r}: expected 1 (on), 0 (off) or unset (the ISA's default)")
+    if forced:
+        return forced == "1"
+    if isa in BLOCKED_ISAS:
+        return True
+    if "blocked" not in _state:
+        _state["blocked"] = isa in kernel_build.MEASURED_BLOCKED_ISAS and blocked_choice.choice()["use"]
+    return _state["blocked"]
 
 
 def blocked_bfloat16() -> bool:
@@ -162,4 +177,6 @@ def _load(name: str, folder: Path) -> None:
 
 if __name__ == "__main__":  # the build, in the child kernel_build.build_in_child() starts
     print("ok" if available() else error())
+    if available() and kernel_build.blocked_choice_due(kernel_isa()):
+        blocked_linear_in_use()  # measured here, before the workers spawn, and kept with the build
     sys.exit(0 if available() else 1)

@@ -23,6 +23,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-funroll-loops"]
 ISA_ENV = "MINIPD_KERNEL_ISA"  # build for less than the CPU has: to test that build where a better one runs
 FORCED_ISA_CFLAGS = {"avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}  # x86
 VECTOR_ISAS = ("avx512", "avx2", "neon")  # vec.h's; "scalar" (any other CPU) is slower than the portable paths
+MEASURED_BLOCKED_ISAS = ("avx2", "neon")  # where blocked_linear runs only if it measured faster (blocked_choice.py)
+BLOCKED_CHOICE_FILE = "blocked_choice.json"
+BLOCKED_ENV = "MINIPD_BLOCKED_LINEAR"
 BUILD_COMMAND = [sys.executable, "-m", "minipd.models.cpu_kernels"]
 BUILD_TIMEOUT_S = 240.0
 STALE_LOCK_S = 300.0  # older than any build the timeout allows: the lock of a killed build
@@ -148,20 +151,26 @@ def build_in_child(timeout: float = BUILD_TIMEOUT_S) -> str:
     if os.environ.get("MINIPD_NO_KERNEL"):
         return "minipd: CPU kernels off (MINIPD_NO_KERNEL)"
     isa, folder = forced_isa() or isa_label(cpu_flags()), build_directory()
-    if library_path().is_file():
+    if library_path().is_file() and not blocked_choice_due(isa):
         return f"minipd: CPU kernels for {isa}, cached in {folder}"
     if ninja_path() is None:
         return _give_up(f"the CPU kernels cannot be built: {NINJA_MISSING}")
     note = remove_stale_lock(folder / "lock", max(timeout, STALE_LOCK_S))
-    print(
-        f"minipd: building the CPU kernels for {isa} (first start only, about a minute)...", file=sys.stderr, flush=True
-    )
+    doing = "measuring blocked_linear" if library_path().is_file() else "building the CPU kernels"
+    print(f"minipd: {doing} for {isa} (first start only, about a minute)...", file=sys.stderr, flush=True)
     start = time.monotonic()
     if failure := _run_child(timeout, folder / "lock"):
         outcome = _give_up(failure)
     else:
-        outcome = f"minipd: CPU kernels built for {isa} in {time.monotonic() - start:.0f} s ({folder})"
+        outcome = f"minipd: CPU kernels {'measured' if 'measuring' in doing else 'built'} for {isa} in {time.monotonic() - start:.0f} s ({folder})"
     return f"{outcome}; {note}" if note else outcome
+
+
+def blocked_choice_due(isa: str | None) -> bool:
+    """Whether blocked_linear still has to be measured against the other paths for this build."""
+    if isa not in MEASURED_BLOCKED_ISAS or os.environ.get(BLOCKED_ENV, "").strip():
+        return False
+    return vector_kernels_usable(isa, cpu_flags()) and not (build_directory() / BLOCKED_CHOICE_FILE).is_file()
 
 
 def _run_child(timeout: float, lock: Path) -> str:

@@ -1,0 +1,126 @@
+"""Whether blocked_linear (weights in column blocks, csrc/blocked_linear.cpp) runs a float32 model's
+products on this CPU, where that is not known for its instruction set: measured once per kernel
+build, beside the paths it would replace, and kept in the build's folder (blocked_choice.json).
+
+On AVX-512 it is known (cpu_kernels.BLOCKED_ISAS). For AVX2 and NEON the kernel is the same source
+but the cores differ: on a 2-core AMD EPYC Zen 1 (AVX2) it read the default model's weights 1.2-1.6x
+faster than small_linear at 1-8 rows and multiplied 1.0-1.2x faster than oneDNN and MKL from 16 to
+1,024 rows (scripts/bench_small_linear.py, scripts/bench_prefill_linear.py), and other AVX2 cores
+were never measured. So it is timed here against what runs without it: small_linear for a decode
+step's rows, oneDNN on prepacked weights and MKL for a prefill's, on the default model's layer
+shapes, alternating, best of a few passes (about a second, in the build's child before the workers
+spawn). It runs if it is faster for decode (by DECODE_GAIN) and no slower for prefill (within
+PREFILL_SLACK); MINIPD_BLOCKED_LINEAR=1 or 0 overrides."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from minipd.models import kernel_build
+
+DECODE_ROWS = (1, 8)
+PREFILL_ROWS = (128, 1024)
+DECODE_GAIN = 1.05  # geometric mean over DECODE_ROWS of the other path's time / blocked's
+PREFILL_SLACK = 0.95  # each of PREFILL_ROWS: the other path's time / blocked's at least this
+DECODE_BYTES = 96 << 20  # weights per decode pass: more than any cache, so read from memory
+PASSES = 3
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a layer of the default model, q/k/v and gate/up stacked
+
+
+def path() -> Path:
+    return kernel_build.build_directory() / kernel_build.BLOCKED_CHOICE_FILE
+
+
+def decide(speedups: dict[int, float]) -> bool:
+    """From the measured speed-ups of blocked_linear over the other path, per row count."""
+    decode = math.exp(sum(math.log(speedups[r]) for r in DECODE_ROWS) / len(DECODE_ROWS))
+    return decode >= DECODE_GAIN and all(speedups[r] >= PREFILL_SLACK for r in PREFILL_ROWS)
+
+
+def cached() -> dict | None:
+    try:
+        return json.loads(path().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def choice() -> dict:
+    """The measured choice for this build: read, or measured now and kept."""
+    if (found := cached()) is not None:
+        return found
+    measured = measure()
+    target = path()
+    temporary = target.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps(measured, indent=1))
+        temporary.replace(target)  # whole or not at all: another process may read it now
+    except OSError:
+        temporary.unlink(missing_ok=True)
+    return measured
+
+
+def measure() -> dict:
+    """Blocked against the path it replaces, per row count, one thread (the workers' own)."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipd.models import cpu_kernels
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        layer_bytes = 4 * sum(n * k for n, k in SHAPES)
+        gen = torch.Generator().manual_seed(0)
+        weights = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(-(-DECODE_BYTES // layer_bytes)) for n, k in SHAPES]
+        blocked = [torch.ops.minipd.blocked_weight(w) for w in weights]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights[: len(SHAPES)]]
+        small_rows, onednn_rows = cpu_kernels.SMALL_LINEAR_MAX_ROWS, cpu_kernels.onednn_max_rows()
+
+        def other(x, i):
+            if x.shape[0] <= small_rows:
+                return torch.ops.minipd.small_linear(x, weights[i], None)
+            if x.shape[0] <= onednn_rows:
+                return torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
+            return F.linear(x, weights[i])
+
+        speedups, times = {}, {}
+        for rows in DECODE_ROWS + PREFILL_ROWS:
+            layers = len(weights) if rows in DECODE_ROWS else len(SHAPES)  # a prefill's products: one layer
+            xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
+
+            def run(fn) -> float:
+                start = time.perf_counter()
+                for i in range(layers):
+                    fn(xs[weights[i].shape[1]], i)
+                return time.perf_counter() - start
+
+            def with_blocks(x, i):
+                return torch.ops.minipd.blocked_linear(x, blocked[i], None)
+
+            best = {"blocked": math.inf, "other": math.inf}
+            for _ in range(PASSES):
+                best["blocked"] = min(best["blocked"], run(with_blocks))
+                best["other"] = min(best["other"], run(other))
+            speedups[rows] = best["other"] / best["blocked"]
+            times[rows] = {name: round(t * 1e3, 3) for name, t in best.items()}
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "isa": cpu_kernels.kernel_isa(),
+        "use": decide(speedups),
+        "speedup": {str(r): round(s, 3) for r, s in speedups.items()},
+        "ms": {str(r): t for r, t in times.items()},
+        "other": f"small_linear to {small_rows} rows, oneDNN prepacked to {min(onednn_rows, 10**9)}, then MKL",
+        "rule": f"decode (rows {DECODE_ROWS}) geometric mean >= {DECODE_GAIN}, prefill (rows {PREFILL_ROWS}) each >= {PREFILL_SLACK}",
+    }
+
+
+def summary(found: dict | None) -> str:
+    if not found:
+        return "not measured yet"
+    rates = ", ".join(f"{r} rows {s:.2f}x" for r, s in found["speedup"].items())
+    return f"measured here against the other paths: {rates} ({'on' if found['use'] else 'off'})"

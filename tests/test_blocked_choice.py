@@ -1,0 +1,44 @@
+"""Where blocked_linear's speed is not known for the ISA (AVX2, NEON), it runs only if it measured
+faster than the paths it replaces on this CPU, once per build; MINIPD_BLOCKED_LINEAR overrides."""
+
+import json
+
+import pytest
+
+from minipd.models import blocked_choice, cpu_kernels
+
+
+def test_it_runs_only_if_faster_for_decode_and_no_slower_for_prefill():
+    assert blocked_choice.decide({1: 1.10, 8: 1.56, 128: 1.03, 1024: 1.05})  # the AVX2 EPYC Zen 1
+    assert not blocked_choice.decide({1: 1.02, 8: 1.03, 128: 1.3, 1024: 1.3})  # decode gains under 5%
+    assert blocked_choice.decide({1: 0.98, 8: 1.20, 128: 1.0, 1024: 1.0})  # the decode mean decides
+    assert not blocked_choice.decide({1: 1.5, 8: 1.5, 128: 1.0, 1024: 0.90})  # a prefill 10% slower
+
+
+def test_the_environment_forces_it_either_way_and_refuses_other_values(monkeypatch):
+    if not cpu_kernels.small_linear_available():
+        pytest.skip("no vector kernels here: blocked_linear is off whatever is asked")
+    monkeypatch.setenv(cpu_kernels.BLOCKED_ENV, "1")
+    assert cpu_kernels.blocked_linear_in_use()
+    monkeypatch.setenv(cpu_kernels.BLOCKED_ENV, "0")
+    assert not cpu_kernels.blocked_linear_in_use()
+    monkeypatch.setenv(cpu_kernels.BLOCKED_ENV, "yes")
+    with pytest.raises(ValueError, match="MINIPD_BLOCKED_LINEAR"):
+        cpu_kernels.blocked_linear_in_use()
+
+
+def test_a_measurement_times_both_paths_at_every_row_count_and_is_kept_and_reused(tmp_path, monkeypatch):
+    if not cpu_kernels.small_linear_available():
+        pytest.skip("no vector kernels built here")
+    monkeypatch.setattr(blocked_choice, "DECODE_BYTES", 4 << 20)  # a small pass: the test checks the bookkeeping
+    monkeypatch.setattr(blocked_choice, "PREFILL_ROWS", (64,))
+    monkeypatch.setattr(blocked_choice, "path", lambda: tmp_path / "blocked_choice.json")
+    got = blocked_choice.choice()
+    assert set(got["speedup"]) == {"1", "8", "64"} and all(s > 0 for s in got["speedup"].values())
+    assert all(t["blocked"] > 0 and t["other"] > 0 for t in got["ms"].values())
+    assert got["use"] == blocked_choice.decide({int(r): s for r, s in got["speedup"].items()})
+    assert got["isa"] == cpu_kernels.kernel_isa()
+    assert json.loads((tmp_path / "blocked_choice.json").read_text()) == got
+    monkeypatch.setattr(blocked_choice, "measure", lambda: pytest.fail("measured twice"))
+    assert blocked_choice.choice() == got
+    assert "64 rows" in blocked_choice.summary(got) and ("(on)" if got["use"] else "(off)") in blocked_choice.summary(got)
