@@ -1,4 +1,5 @@
-"""nn.Linear, except that on a CPU with AVX-512 every float32 product runs on a copy of the weights
+"""nn.Linear, except that on a CPU with AVX-512 (or AVX2 and NEON where it measured faster:
+cpu_kernels.blocked_linear_in_use()) every float32 product runs on a copy of the weights
 in column blocks (csrc/blocked_linear.cpp: at the memory's speed for a decode step's few rows, at
 the core's FLOP rate for a prefill's many); elsewhere, and for bfloat16, the few rows of a decode
 step go through minipd's CPU kernel, which streams the weights at close to memory speed (AVX-512,
@@ -47,7 +48,8 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     built: the small-row kernel in every Linear and the fused element-wise steps (RMSNorm,
     SiLU * up, rotary embedding) in every module that has a `fused` switch (both dtypes), and
     oneDNN (float32).
-    With prepack, where the kernels are built for AVX-512 (cpu_kernels.BLOCKED_ISAS), each float32
+    With prepack, where blocked_linear is in use (AVX-512, cpu_kernels.BLOCKED_ISAS; elsewhere where
+    it measured faster, blocked_choice.py), each float32
     Linear, the LM head too, keeps a copy of its weight in blocked_linear's column blocks and runs
     every product on it. Elsewhere each float32 Linear but the LM head (it is the embedding, tied)
     keeps a copy of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it (up to
