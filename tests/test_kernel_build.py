@@ -1,6 +1,7 @@
 """The CPU kernels' build: keyed by the CPU it targets, run once in a child with a timeout, and never
 stuck behind the lock of a build that was killed."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -375,3 +376,36 @@ def test_blocked_linear_is_measured_in_the_build_child_once_where_its_isa_is_not
     monkeypatch.setenv(kernel_build.BLOCKED_ENV, "0")
     assert not kernel_build.blocked_choice_due("avx2")
     assert "cached" in kernel_build.build_in_child(timeout=30)
+
+
+def test_bfloat16_products_of_many_rows_leave_widened_blocks_for_mkl_where_there_is_no_vdpbf16ps(monkeypatch,
+                                                                                                  tiny_model):  # fmt: skip
+    """On the Zen 1 AVX2 EPYC blocked_linear on bfloat16 weights widened in registers was 1.1-2x
+    faster than widening the weights to float32 for MKL up to 128 rows, and 7-9% slower at 512-1,024
+    (the widening's two instructions per weight vector): from 512 rows a bfloat16 product without
+    vdpbf16ps goes to MKL on widened weights; fewer rows stay in the blocks."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipd.models import linear as linear_mod
+    from minipd.models.linear import Linear, use_cpu_kernels
+
+    if not (cpu_kernels.small_linear_available() and cpu_kernels.blocked_bfloat16()):
+        pytest.skip("no vector kernels here")
+    if cpu_kernels.blocked_bfloat16_dot():
+        pytest.skip("this build multiplies bfloat16 in vdpbf16ps: the blocks take every product")
+    monkeypatch.setenv(cpu_kernels.BLOCKED_ENV, "1")
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(linear_mod.F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real_linear(*a, **k))
+    model = copy.deepcopy(tiny_model).to(torch.bfloat16)  # the fixture's model may be shared: left as it was
+    try:
+        use_cpu_kernels(model, prepack=True)
+        layer = next(m for m in model.modules() if isinstance(m, Linear) and m.blocked is not None)
+        for rows in (64, 512):
+            x = torch.randn(rows, layer.in_features).bfloat16()
+            exact = real_linear(x.double(), layer.weight.double())
+            assert ((layer.forward(x).double() - exact).abs() <= exact.abs() * 2**-7 + 1e-2).all()
+        assert calls == [512]
+    finally:
+        monkeypatch.undo()

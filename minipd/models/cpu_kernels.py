@@ -102,8 +102,14 @@ def blocked_linear_in_use() -> bool:
 
 
 def blocked_bfloat16() -> bool:
-    """blocked_linear multiplies bfloat16 too (built for AVX512-BF16: vdpbf16ps)."""
+    """blocked_linear multiplies bfloat16 too: in vdpbf16ps where built for AVX512-BF16
+    (blocked_bfloat16_dot), else widened to float32 in registers."""
     return available() and bool(torch.ops.minipd.blocked_bfloat16())
+
+
+def blocked_bfloat16_dot() -> bool:
+    """blocked_linear's bfloat16 blocks take K in pairs for vdpbf16ps (built for AVX512-BF16)."""
+    return available() and bool(torch.ops.minipd.blocked_bfloat16_dot())
 
 
 def block_columns() -> int:

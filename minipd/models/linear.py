@@ -11,6 +11,8 @@ quantization, opt-in)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,14 +25,15 @@ class Linear(nn.Linear):
     onednn_rows = 0  # rows up to which a product runs in oneDNN (0: never); set by use_cpu_kernels()
     widen = False  # bfloat16 weights widened to float32 for a product of many rows; set by use_cpu_kernels()
     packed: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (prefill), or None
-    blocked: torch.Tensor | None = None  # the weight in blocked_linear's column blocks (every product), or None
+    blocked: torch.Tensor | None = None  # the weight in blocked_linear's column blocks, or None
+    blocked_rows = sys.maxsize  # rows up to which a product runs on the blocks; set by use_cpu_kernels()
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights (N, K) int8, per-row scales bf16), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), *self.int8).to(x.dtype)
             return y if self.bias is None else y + self.bias
-        if self.blocked is not None and x.dim() == 2:
+        if self.blocked is not None and x.dim() == 2 and x.shape[0] <= self.blocked_rows:
             return torch.ops.minipd.blocked_linear(x, self.blocked, self.bias)
         if x.dim() == 2 and 0 < x.shape[0] <= self.small_rows:
             return torch.ops.minipd.small_linear(x, self.weight, self.bias)
@@ -69,6 +72,10 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     fused = (cpu32 or bf16) and cpu_kernels.available()
     widen = bf16 and not cpu_kernels.native_bfloat16()
     blocks = (cpu32 or bf16) and prepack and cpu_kernels.blocked_linear_in_use() and (cpu32 or cpu_kernels.blocked_bfloat16())
+    # bfloat16 widened in the blocks: slower than MKL on widened weights from 512 rows (Zen 1 AVX2)
+    widened_blocks_rows = sys.maxsize
+    if blocks and bf16 and not cpu_kernels.blocked_bfloat16_dot():
+        widened_blocks_rows = cpu_kernels.MKL_FROM_ROWS_WITHOUT_AVX512 - 1
     head = getattr(model, "lm_head", None)
     for m in model.modules():
         if isinstance(m, Linear):
@@ -85,6 +92,7 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
                 m.packed = None
             m.small_rows = (cpu_kernels.small_rows_beside_packed() if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0
             m.onednn_rows = cpu_kernels.onednn_max_rows() if onednn else 0
+            m.blocked_rows = widened_blocks_rows if block and bf16 else sys.maxsize
             m.widen = widen
         if hasattr(type(m), "fused"):
             m.fused = fused

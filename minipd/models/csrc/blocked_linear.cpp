@@ -25,8 +25,10 @@ constexpr int NB = NV * Vec::L;                         // output columns per bl
 constexpr int MB = Vec::REGISTERS >= 32 ? 8 : 6;        // rows at a time: MB x NV sums, NV weights, one x
 constexpr int64_t ROWS_PER_PASS = 128;                  // x's rows met by one pass over w (kept in L2)
 
-template <int M>
-void block(const float* x, int64_t K, const float* wb, const float* bias, float* y, int64_t N) {
+// W: float, or bfloat16's bits (uint16_t) widened exactly in registers where the CPU has no bfloat16
+// product instruction (x and y in float32 then; blocked_linear converts them)
+template <int M, typename W>
+void block(const float* x, int64_t K, const W* wb, const float* bias, float* y, int64_t N) {
   Vec acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
@@ -50,8 +52,8 @@ void block(const float* x, int64_t K, const float* wb, const float* bias, float*
 // 32 products where a float32 FMA makes 16, from half the bytes.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIPD_BLOCKED_BF16 1
-template <int M>
-void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, uint16_t* y, int64_t N) {
+template <int M, typename W>
+void block(const uint16_t* x, int64_t K, const W* wb, const float* bias, uint16_t* y, int64_t N) {
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -78,23 +80,23 @@ void block(const uint16_t* x, int64_t K, const uint16_t* wb, const float* bias, 
 #endif
 
 // block<M> for the `left` (1 to M) rows that remain
-template <int M, typename T>
-void rows_left(int left, const T* x, int64_t K, const T* wb, const float* bias, T* y, int64_t N) {
+template <int M, typename T, typename W>
+void rows_left(int left, const T* x, int64_t K, const W* wb, const float* bias, T* y, int64_t N) {
   if constexpr (M > 0) {
     if (left == M) return block<M>(x, K, wb, bias, y, N);
     rows_left<M - 1>(left, x, K, wb, bias, y, N);
   }
 }
 
-// column blocks b0..b1 of y, for all M rows; T: float, or bfloat16's bits where block<M> takes them (x, w
-// and y alike; the sums are float32)
-template <typename T>
-void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y, int64_t N, int64_t b0,
+// column blocks b0..b1 of y, for all M rows; T (x and y): float, or bfloat16's bits where block<M>
+// takes them; W (w): T, or bfloat16's bits beside float x and y (widened); the sums are float32
+template <typename T, typename W>
+void blocks(const T* x, int64_t M, int64_t K, const W* w, const float* bias, T* y, int64_t N, int64_t b0,
             int64_t b1) {
   for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
     const int64_t m1 = std::min(M, m0 + ROWS_PER_PASS);
     for (int64_t b = b0; b < b1; ++b) {
-      const T* wb = w + b * K * NB;
+      const W* wb = w + b * K * NB;
       const float* bb = bias ? bias + b * NB : nullptr;
       int64_t m = m0;
       for (; m + MB <= m1; m += MB) block<MB>(x + m * K, K, wb, bb, y + m * N + b * NB, N);
@@ -105,8 +107,8 @@ void blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* 
 
 // every column block of y: on one thread called directly (through parallel_for's lambda the compiler
 // may keep less in registers), else the blocks split among the threads
-template <typename T>
-void all_blocks(const T* x, int64_t M, int64_t K, const T* w, const float* bias, T* y, int64_t N) {
+template <typename T, typename W>
+void all_blocks(const T* x, int64_t M, int64_t K, const W* w, const float* bias, T* y, int64_t N) {
   if (at::get_num_threads() == 1 || M == 0) return blocks(x, M, K, w, bias, y, N, 0, N / NB);
   at::parallel_for(0, N / NB, 1, [&](int64_t b0, int64_t b1) { blocks(x, M, K, w, bias, y, N, b0, b1); });
 }
@@ -116,8 +118,8 @@ at::Tensor blocked_weight(const at::Tensor& w) {
               "w (N, K), float32 or bfloat16");
   TORCH_CHECK(w.size(0) % NB == 0, "blocked_weight: N (", w.size(0), ") must be a multiple of ", NB);
   const int64_t N = w.size(0), K = w.size(1);
-  if (w.scalar_type() == at::kFloat) return w.reshape({N / NB, NB, K}).transpose(1, 2).contiguous();
-  TORCH_CHECK(MINIPD_BLOCKED_BF16, "blocked_weight: bfloat16 needs a build for AVX512-BF16");
+  if (w.scalar_type() == at::kFloat || !MINIPD_BLOCKED_BF16)  // bfloat16 without vdpbf16ps: widened, float32's layout
+    return w.reshape({N / NB, NB, K}).transpose(1, 2).contiguous();
   TORCH_CHECK(K % 2 == 0, "blocked_weight: bfloat16 K (", K, ") must be even");
   return w.reshape({N / NB, NB, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / NB, K, NB});
 }
@@ -134,7 +136,8 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == w.size(1) && x_in.scalar_type() == dtype,
               "blocked_linear: x (M, K), of w's dtype");
   const int64_t M = x_in.size(0), K = w.size(1), N = w.size(0) * NB;
-  TORCH_CHECK(dtype == at::kFloat || K % 2 == 0, "blocked_linear: bfloat16 K (", K, ") must be even");
+  TORCH_CHECK(dtype == at::kFloat || K % 2 == 0 || !MINIPD_BLOCKED_BF16, "blocked_linear: bfloat16 K (", K,
+              ") must be even");
   const at::Tensor x = x_in.contiguous();
   at::Tensor bf;
   const float* bp = nullptr;
@@ -150,19 +153,28 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
     all_blocks(data<uint16_t>(x), M, K, data<uint16_t>(w), bp, data<uint16_t>(y), N);
     return y;
   }
+#else
+  if (dtype == at::kBFloat16) {  // widened: x and y in float32 (exact, and one rounding of y as eager's)
+    using minipd_elements::data;
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor yf = at::empty({M, N}, xf.options());
+    all_blocks(xf.data_ptr<float>(), M, K, data<uint16_t>(w), bp, yf.data_ptr<float>(), N);
+    return yf.to(at::kBFloat16);
+  }
 #endif
-  TORCH_CHECK(dtype == at::kFloat, "blocked_linear: bfloat16 needs a build for AVX512-BF16");
   all_blocks(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bp, y.data_ptr<float>(), N);
   return y;
 }
 
-bool minipd_ops::blocked_bfloat16() { return MINIPD_BLOCKED_BF16; }
+bool minipd_ops::blocked_bfloat16() { return true; }
+bool minipd_ops::blocked_bfloat16_dot() { return MINIPD_BLOCKED_BF16; }
 
 TORCH_LIBRARY_FRAGMENT(minipd, m) {
   m.def("blocked_weight(Tensor w) -> Tensor");
   m.def("blocked_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("block_columns() -> int");
   m.def("blocked_bfloat16() -> bool");
+  m.def("blocked_bfloat16_dot() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(minipd, CPU, m) {
@@ -172,4 +184,5 @@ TORCH_LIBRARY_IMPL(minipd, CPU, m) {
 TORCH_LIBRARY_IMPL(minipd, CompositeExplicitAutograd, m) {
   m.impl("block_columns", &block_columns);
   m.impl("blocked_bfloat16", &minipd_ops::blocked_bfloat16);
+  m.impl("blocked_bfloat16_dot", &minipd_ops::blocked_bfloat16_dot);
 }

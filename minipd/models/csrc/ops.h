@@ -10,6 +10,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 std::string kernel_isa();
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias);
 bool blocked_bfloat16();
+bool blocked_bfloat16_dot();
 bool bfloat16_dot();
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
