@@ -42,3 +42,27 @@ def test_a_measurement_times_both_paths_at_every_row_count_and_is_kept_and_reuse
     monkeypatch.setattr(blocked_choice, "measure", lambda: pytest.fail("measured twice"))
     assert blocked_choice.choice() == got
     assert "64 rows" in blocked_choice.summary(got) and ("(on)" if got["use"] else "(off)") in blocked_choice.summary(got)
+
+
+@pytest.mark.parametrize("text", ["{}", "[]", "not json", '{"use": "yes", "speedup": {}}'])
+def test_a_kept_file_that_is_not_a_measurement_is_measured_again_not_trusted(tmp_path, monkeypatch, text):
+    """Review: any JSON was trusted, and a file without "use" raised in every worker at model load."""
+    (tmp_path / "blocked_choice.json").write_text(text)
+    monkeypatch.setattr(blocked_choice, "path", lambda: tmp_path / "blocked_choice.json")
+    assert blocked_choice.cached() is None
+    monkeypatch.setattr(blocked_choice, "measure", lambda: {"use": True, "speedup": {"1": 1.2}})
+    assert blocked_choice.choice()["use"] is True and blocked_choice.cached() == {"use": True, "speedup": {"1": 1.2}}
+
+
+def test_a_measurement_that_fails_leaves_blocked_linear_off_and_says_why(tmp_path, monkeypatch):
+    """Review: an exception in the measurement escaped the build's child (which then reported the
+    kernels as not built, and the session ran on the portable paths) or a worker's model load."""
+    monkeypatch.setattr(blocked_choice, "path", lambda: tmp_path / "blocked_choice.json")
+
+    def fails():
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr(blocked_choice, "measure", fails)
+    got = blocked_choice.choice()
+    assert got["use"] is False and "no oneDNN here" in got["error"]
+    assert "failed" in blocked_choice.summary(got) and blocked_choice.cached() == got

@@ -406,7 +406,9 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prep
         blocked = [m.blocked is not None for m in model.modules() if isinstance(m, Linear)]
         assert all(blocked) if prepack and 2 * inter % cpu_kernels.block_columns() == 0 else (any(blocked) == prepack and not all(blocked))
         rows.append(model.decode_rows)  # beside unblocked layers: as many as the small-row kernel takes there
-        assert rows[-1] == sys.maxsize if all(blocked) else 2 <= rows[-1] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS
+        widened = dtype == torch.bfloat16 and not cpu_kernels.blocked_bfloat16_dot()  # MKL from 512 rows
+        blocked_rows = cpu_kernels.MKL_FROM_ROWS_WITHOUT_AVX512 - 1 if widened else sys.maxsize
+        assert rows[-1] == blocked_rows if all(blocked) else 2 <= rows[-1] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS
         if not one_call:
             model.decode_rows = 0
         seen, calls, forward, op = [], [], model.forward, torch.ops.minipd.decode_layers

@@ -366,12 +366,19 @@ def test_blocked_linear_is_measured_in_the_build_child_once_where_its_isa_is_not
     library.touch()
     choice = library.parent / kernel_build.BLOCKED_CHOICE_FILE
     assert kernel_build.blocked_choice_due("avx2") and not kernel_build.blocked_choice_due("avx512")
-    fake_build(monkeypatch, f"import pathlib; pathlib.Path({str(choice)!r}).write_text('{{}}')")
+    kept = '{"use": true, "speedup": {"1": 1.2}}'
+    choice.write_text("{}")  # not a measurement (a file left half-made by hand): taken again
+    assert kernel_build.blocked_choice_due("avx2")
+    fake_build(monkeypatch, f"import pathlib; pathlib.Path({str(choice)!r}).write_text({kept!r})")
     outcome = kernel_build.build_in_child(timeout=30)
     assert "measured" in outcome and choice.is_file()
     assert "measuring blocked_linear" in capsys.readouterr().err
     fake_build(monkeypatch, "raise SystemExit('must not run: measured already')")
     assert "cached" in kernel_build.build_in_child(timeout=30)
+    monkeypatch.setattr(kernel_build, "ninja_path", lambda: None)  # a measurement needs no ninja
+    choice.unlink()
+    fake_build(monkeypatch, f"import pathlib; pathlib.Path({str(choice)!r}).write_text({kept!r})")
+    assert "measured" in kernel_build.build_in_child(timeout=30) and not os.environ["MINIPD_NO_KERNEL"]
     choice.unlink()
     monkeypatch.setenv(kernel_build.BLOCKED_ENV, "0")
     assert not kernel_build.blocked_choice_due("avx2")

@@ -8,7 +8,7 @@ faster than small_linear at 1-8 rows and multiplied 1.0-1.2x faster than oneDNN 
 1,024 rows (scripts/bench_small_linear.py, scripts/bench_prefill_linear.py), and other AVX2 cores
 were never measured. So it is timed here against what runs without it: small_linear for a decode
 step's rows, oneDNN on prepacked weights and MKL for a prefill's, on the default model's layer
-shapes, alternating, best of a few passes (about a second, in the build's child before the workers
+shapes, alternating, best of a few passes (a few seconds, in the build's child before the workers
 spawn). It runs if it is faster for decode (by DECODE_GAIN) and no slower for prefill (within
 PREFILL_SLACK); MINIPD_BLOCKED_LINEAR=1 or 0 overrides."""
 
@@ -42,17 +42,19 @@ def decide(speedups: dict[int, float]) -> bool:
 
 
 def cached() -> dict | None:
-    try:
-        return json.loads(path().read_text())
-    except (OSError, ValueError):
-        return None
+    """The kept measurement, or None where there is none or it is not one (then it is taken again)."""
+    return kernel_build.read_blocked_choice(path())
 
 
 def choice() -> dict:
-    """The measured choice for this build: read, or measured now and kept."""
+    """The measured choice for this build: read, or measured now and kept. A measurement that
+    fails leaves blocked_linear off (and says why), not the kernels."""
     if (found := cached()) is not None:
         return found
-    measured = measure()
+    try:
+        measured = measure()
+    except Exception as err:  # e.g. a torch without oneDNN: the paths it would be timed against are not there
+        measured = {"use": False, "speedup": {}, "error": f"{type(err).__name__}: {err}"[:300]}
     target = path()
     temporary = target.with_suffix(f".{os.getpid()}.tmp")
     try:
@@ -64,7 +66,8 @@ def choice() -> dict:
 
 
 def measure() -> dict:
-    """Blocked against the path it replaces, per row count, one thread (the workers' own)."""
+    """Blocked against the path it replaces, per row count, on one thread (a worker may have more:
+    the products split their column blocks among threads, the same for every path)."""
     import torch
     import torch.nn.functional as F
 
@@ -105,14 +108,14 @@ def measure() -> dict:
             for _ in range(PASSES):
                 best["blocked"] = min(best["blocked"], run(with_blocks))
                 best["other"] = min(best["other"], run(other))
-            speedups[rows] = best["other"] / best["blocked"]
+            speedups[rows] = round(best["other"] / best["blocked"], 3)  # kept as decided
             times[rows] = {name: round(t * 1e3, 3) for name, t in best.items()}
     finally:
         torch.set_num_threads(threads)
     return {
         "isa": cpu_kernels.kernel_isa(),
         "use": decide(speedups),
-        "speedup": {str(r): round(s, 3) for r, s in speedups.items()},
+        "speedup": {str(r): s for r, s in speedups.items()},
         "ms": {str(r): t for r, t in times.items()},
         "other": f"small_linear to {small_rows} rows, oneDNN prepacked to {min(onednn_rows, 10**9)}, then MKL",
         "rule": f"decode (rows {DECODE_ROWS}) geometric mean >= {DECODE_GAIN}, prefill (rows {PREFILL_ROWS}) each >= {PREFILL_SLACK}",
@@ -122,5 +125,7 @@ def measure() -> dict:
 def summary(found: dict | None) -> str:
     if not found:
         return "not measured yet"
+    if found.get("error"):
+        return f"off (its measurement failed: {found['error']})"
     rates = ", ".join(f"{r} rows {s:.2f}x" for r, s in found["speedup"].items())
     return f"measured here against the other paths: {rates} ({'on' if found['use'] else 'off'})"

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import shutil
 import signal
@@ -151,13 +152,15 @@ def build_in_child(timeout: float = BUILD_TIMEOUT_S) -> str:
     if os.environ.get("MINIPD_NO_KERNEL"):
         return "minipd: CPU kernels off (MINIPD_NO_KERNEL)"
     isa, folder = forced_isa() or isa_label(cpu_flags()), build_directory()
-    if library_path().is_file() and not blocked_choice_due(isa):
+    built = library_path().is_file()
+    if built and not blocked_choice_due(isa):
         return f"minipd: CPU kernels for {isa}, cached in {folder}"
-    if ninja_path() is None:
+    if not built and ninja_path() is None:  # (a measurement needs no ninja)
         return _give_up(f"the CPU kernels cannot be built: {NINJA_MISSING}")
     note = remove_stale_lock(folder / "lock", max(timeout, STALE_LOCK_S))
-    doing = "measuring blocked_linear" if library_path().is_file() else "building the CPU kernels"
-    print(f"minipd: {doing} for {isa} (first start only, about a minute)...", file=sys.stderr, flush=True)
+    doing = "measuring blocked_linear" if built else "building the CPU kernels"
+    took = "a few seconds" if built else "about a minute"
+    print(f"minipd: {doing} for {isa} (first start only, {took})...", file=sys.stderr, flush=True)
     start = time.monotonic()
     if failure := _run_child(timeout, folder / "lock"):
         outcome = _give_up(failure)
@@ -166,11 +169,22 @@ def build_in_child(timeout: float = BUILD_TIMEOUT_S) -> str:
     return f"{outcome}; {note}" if note else outcome
 
 
+def read_blocked_choice(path: Path) -> dict | None:
+    """blocked_choice.json as blocked_choice.py keeps it, or None (absent, unreadable, or not one)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, dict) and isinstance(found.get("use"), bool) and isinstance(found.get("speedup"), dict)
+    return found if ok else None
+
+
 def blocked_choice_due(isa: str | None) -> bool:
     """Whether blocked_linear still has to be measured against the other paths for this build."""
+    isa = "neon" if isa == "sve" else isa  # vec.h builds NEON for an SVE CPU
     if isa not in MEASURED_BLOCKED_ISAS or os.environ.get(BLOCKED_ENV, "").strip():
         return False
-    return vector_kernels_usable(isa, cpu_flags()) and not (build_directory() / BLOCKED_CHOICE_FILE).is_file()
+    return vector_kernels_usable(isa, cpu_flags()) and read_blocked_choice(build_directory() / BLOCKED_CHOICE_FILE) is None
 
 
 def _run_child(timeout: float, lock: Path) -> str:

@@ -143,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
                                                         la.post_attention_layernorm))  # fmt: skip
         biases = [la.self_attn.qkv_proj.bias for la in layers]
         plain = all(m.int8 is None and m.weight.is_contiguous() for m in linears) and len({b is None for b in biases}) <= 1
-        rows = [sys.maxsize if m.blocked is not None else m.small_rows for m in linears]
+        rows = [m.blocked_rows if m.blocked is not None else m.small_rows for m in linears]
         self.decode_rows = min(rows) if layers and fused and plain else 0
 
         def held(m: Linear) -> torch.Tensor:  # what decode_layers multiplies: column blocks, or plain rows

@@ -146,10 +146,10 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
     bf = bias->to(at::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
-  auto y = at::empty({M, N}, x.options());
 #if MINIPD_BLOCKED_BF16
   if (dtype == at::kBFloat16) {
     using minipd_elements::data;
+    auto y = at::empty({M, N}, x.options());
     all_blocks(data<uint16_t>(x), M, K, data<uint16_t>(w), bp, data<uint16_t>(y), N);
     return y;
   }
@@ -162,6 +162,7 @@ at::Tensor minipd_ops::blocked_linear(const at::Tensor& x_in, const at::Tensor& 
     return yf.to(at::kBFloat16);
   }
 #endif
+  auto y = at::empty({M, N}, x.options());
   all_blocks(x.data_ptr<float>(), M, K, w.data_ptr<float>(), bp, y.data_ptr<float>(), N);
   return y;
 }
