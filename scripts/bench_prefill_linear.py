@@ -26,11 +26,10 @@ def main() -> None:
     import torch.nn.functional as F
 
     from minipd.info import cpu_name
-    from minipd.models import cpu_kernels
+    from minipd.models import blocked_choice, cpu_kernels
 
     torch.set_num_threads(1)
-    hidden, inter, kv = 576, 1536, 192  # SmolLM2-135M, q/k/v and gate/up stacked as minipd holds them
-    shapes = [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * inter, hidden), (hidden, inter)] * args.layers
+    shapes = list(blocked_choice.SHAPES) * args.layers  # SmolLM2-135M's, q/k/v and gate/up stacked as minipd holds them
     weights = [torch.randn(n, k) for n, k in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights]
     with_blocked = cpu_kernels.available() and cpu_kernels.small_linear_available()
@@ -49,7 +48,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     for rows in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(rows, k) for k in (hidden, inter)}
+        xs = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
 
         def mkl():
             return [F.linear(xs[w.shape[1]], w) for w in weights]

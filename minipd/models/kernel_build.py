@@ -165,7 +165,7 @@ def build_in_child(timeout: float = BUILD_TIMEOUT_S) -> str:
     if failure := _run_child(timeout, folder / "lock"):
         outcome = _give_up(failure)
     else:
-        outcome = f"minipd: CPU kernels {'measured' if 'measuring' in doing else 'built'} for {isa} in {time.monotonic() - start:.0f} s ({folder})"
+        outcome = f"minipd: CPU kernels {'measured' if built else 'built'} for {isa} in {time.monotonic() - start:.0f} s ({folder})"
     return f"{outcome}; {note}" if note else outcome
 
 

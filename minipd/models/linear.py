@@ -92,7 +92,7 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
                 m.packed = None
             m.small_rows = (cpu_kernels.small_rows_beside_packed() if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0
             m.onednn_rows = cpu_kernels.onednn_max_rows() if onednn else 0
-            m.blocked_rows = widened_blocks_rows if block and bf16 else sys.maxsize
+            m.blocked_rows = widened_blocks_rows
             m.widen = widen
         if hasattr(type(m), "fused"):
             m.fused = fused
