@@ -335,6 +335,21 @@ def test_a_request_no_decode_worker_can_seat_fails_instead_of_vanishing():
     assert fits.ok and fits.output_tokens == 4
 
 
+@pytest.mark.parametrize("mode", [Mode("colocated"), Mode("chunked", chunk_tokens=64),
+                                  Mode("disagg", local_prefill_tokens=1000)])  # fmt: skip
+def test_a_prompt_longer_than_a_workers_kv_cache_fails_as_the_worker_refuses_it(mode):
+    """The simulation raised the scheduler's ValueError and ended (a traceback from `minipd sim
+    --kv-cache-tokens 1024` on the mixed workload); the real worker ends that request with an error."""
+    reqs = [BenchRequest(0, 200, 4, 0.0), BenchRequest(1, 20, 4, 0.0), BenchRequest(2, 30, 4, 0.01)]
+    records, sim = simulate(profile(num_blocks=4), reqs, mode, 2)
+    too_big, *fit = records
+    assert not too_big.ok and "the KV cache holds 64 tokens" in too_big.error
+    assert all(r.ok and r.output_tokens == 4 for r in fit)
+    for w in sim.workers:
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0 and w.load == 0
+
+
 def test_co_runner_slowdown_is_measured_from_overlapping_steps():
     from minipd.sim.profile import co_busy
 
@@ -617,3 +632,26 @@ def test_a_simulated_goodput_no_probe_failed_is_reported_as_a_lower_bound(tmp_pa
                     "--search-max-runs", "2", "--out", str(out)]) == 0  # fmt: skip
     assert "goodput chat colocated: >= " in capsys.readouterr().err
     assert "| chat | colocated | >= " in (out / "report.md").read_text()
+
+
+def test_a_seat_granted_during_a_run_never_leaves_the_run_short_of_blocks():
+    """Seen by --mode auto replaying disagg with local prefill: a seat taken from a decode worker in
+    a run of decode steps left the run's later steps without the blocks planned for them, and the
+    simulation raised OutOfBlocks where the real worker (and stepping one step at a time) preempts."""
+    label, body = ex.parse_mode("disagg:1p1d")
+    body["local_prefill_tokens"] = 100
+    p = profile(num_blocks=60)
+    p.worker.decode_headroom_tokens = 0
+    s = ex.Settings(60, None, 2.0, 5, True, None, None, None, 2000.0, 200.0, False)
+    requests = ex.workload("mixed", 2.0, s, p.worker.max_model_len)
+    runs = {}
+    for decode_runs in (True, False):
+        runs[decode_runs] = simulate(p, requests, mode_of(body), 2, Options(decode_runs=decode_runs))
+    (fast, fast_sim), (slow, slow_sim) = runs[True], runs[False]
+    assert sum(w.num_runs for w in fast_sim.workers) > 10
+    assert slow_sim.workers[1].scheduler.num_preempted > 0  # the decode worker did run short of blocks
+    assert [r.token_times for r in fast] == [r.token_times for r in slow]
+    assert [(r.end_time, r.error) for r in fast] == [(r.end_time, r.error) for r in slow]
+    for w in fast_sim.workers:
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0 and w.streak is None

@@ -37,6 +37,18 @@ class DecodeRun:
             for seq, block in zip(growing, blocks.allocate_each([seq.request_id for seq in growing])):
                 seq.block_table.append(block)
 
+    def blocks_beyond_bookings(self, start: int, stop: int) -> int:
+        """Blocks beyond their owners' bookings that steps start..stop-1 take as they begin: what must
+        stay available for the run to go on (a seat granted meanwhile may take it)."""
+        blocks = self.scheduler.blocks
+        bs, total = blocks.block_size, 0
+        for residue in self.by_residue:
+            for first, seq in residue:
+                k = first if first >= start else first + -(-(start - first) // bs) * bs  # its first growth from start
+                if k < stop:
+                    total += max(0, (stop - 1 - k) // bs + 1 - blocks.booked_by(seq.request_id))
+        return total
+
     def last_batch(self) -> ScheduledBatch:
         """The run's last step as schedule() would make it (once its blocks are grown), for postprocess()."""
         n = len(self.seqs)

@@ -249,8 +249,15 @@ class SimWorker:
         return now + delay
 
     def add_seat(self, key: str, num_blocks: int, headroom: int) -> bool:
+        """A seat granted now; a run of decode steps that would then be short of the blocks its later
+        steps take ends with the step under way, and the scheduler preempts, as it does stepping."""
         self.sync()
-        return self.blocks.add_seat(key, num_blocks, headroom) is not None
+        if self.blocks.add_seat(key, num_blocks, headroom) is None:
+            return False
+        st = self.streak
+        if st is not None and st.run.blocks_beyond_bookings(st.grown, st.steps) > self.blocks.num_available:
+            self._cut()
+        return True
 
     # ---- runs of decode steps ------------------------------------------------------------------
     @property
@@ -435,7 +442,17 @@ class Simulation:
         params = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0)
         seq = SimSequence.of(sr, [TOKEN] * r.prompt_len, params)
         seq.hand_off = hand_off
-        w.scheduler.add(seq)
+        try:
+            w.scheduler.add(seq)
+        except ValueError as err:  # the worker refuses it (a prompt its KV cache cannot hold): the request ends
+            sr.record.error = str(err)
+            self._load(w, -1)
+            if hand_off and sr.reader is not None:  # its seat goes back, as the writer's cancel frees it
+                reader = self.workers[sr.reader]
+                reader.sync()
+                reader.blocks.release_seat(sr.key)
+                self._load(reader, -1)
+                self._pump_seats()
 
     def _pump_seats(self) -> None:
         """First come, first seated: a seat on the least loaded decode worker with room."""
