@@ -154,9 +154,10 @@ def switch_cost(records: list[RequestRecord], sent: float, answered: float) -> d
     largest = [x["largest_gap_ms"] for x in rows if x["largest_gap_ms"] is not None]
     across = [x["gap_across_switch_ms"] for x in rows if x["gap_across_switch_ms"] is not None]
     itl = _ms(percentile((g for r in streaming for g in r.itls), 50))
-    # the server may be decoding a reply whose first token has not reached the client: it moves too
+    # every request the server held at the switch may have moved: one whose first token had not reached
+    # the client, and one whose POST beat the switch's to the server though the client stamped it later
     return {"streaming": len(streaming), "waiting_for_first_token": len(waiting),
-            "moved_per_timelines": sum(x["moved"] for x in rows) + sum(moved(moves(r)) for r in waiting),
+            "moved_per_timelines": sum(moved(moves(r)) for r in records if r.send_time <= answered),
             "largest_gap_max_ms": max(largest, default=None), "largest_gap_median_ms": percentile(largest, 50),
             "gap_across_switch_max_ms": max(across, default=None),
             "gap_across_switch_median_ms": percentile(across, 50), "median_itl_ms": itl,
