@@ -543,7 +543,8 @@ class Api:
                          "kv_bytes_per_token": w.info.kv_bytes_per_token if w.info else None,
                          "preemptions": s.num_preempted if s else 0, "handoffs": s.handoffs if s else {},
                          "step_seconds": round(w.step_s, 3), "draining": w.draining,
-                         "integrity_error": s.integrity_error if s else None})  # fmt: skip
+                         "integrity_error": s.integrity_error if s else None,
+                         "gc": s.gc if s else None})  # fmt: skip
         return web.json_response({"mode": r.mode_report(), "kv_transport": self.kv_transport, "workers": rows,
                                   "seats": {"waiting": r.seats.num_waiting, "batches_sent": r.seats.batches_sent,
                                             "granted": r.seats.seats_granted}})  # fmt: skip

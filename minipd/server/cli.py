@@ -242,6 +242,7 @@ def check_shared_memory(kv_bytes_per_token: int, args, num_workers: int) -> None
 
 
 async def serve(args, configs: list[dict], mode) -> None:
+    from minipd.heap import freeze_startup_heap
     from minipd.models.files import model_config, served_name
     from minipd.server.app import Api
     from minipd.server.browser_guard import BrowserGuard
@@ -306,6 +307,7 @@ async def serve(args, configs: list[dict], mode) -> None:
         tasks.append(_guard(loop.create_task(supervisor.run()), router, "the supervisor"))
         await router.set_mode(mode)
         router.ready = True
+        freeze_startup_heap()  # (minipd/heap.py) the relay of every stream: a full collection froze them all
         if args.mode == "auto":
             router.advisor.enable()
         router.rebalancer.start()

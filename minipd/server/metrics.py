@@ -55,6 +55,11 @@ class Metrics:
                                   "Disaggregated requests by path: remote (prefilled on a prefill worker) or local "
                                   "(prompt under local_prefill_tokens, prefilled by its decode worker).", ["path"])  # fmt: skip
         self.worker_restarts = counter("minipd:worker_restarts", "Workers restarted after they died.", ["worker"])
+        self.worker_gc_longest = gauge("minipd:worker_gc_longest_full_collection_seconds",
+                                       "The longest full garbage collection of the worker (it stops the worker's "
+                                       "step), since it started.", ["worker"])  # fmt: skip
+        self.worker_gc_seconds = gauge("minipd:worker_gc_seconds",
+                                       "Seconds the worker spent in garbage collection since it started.", ["worker"])
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.preemptions,
                        self.prompt_tokens,
                        self.generation_tokens, self.kv_bytes, self.kv_seconds, self.seats_reserved,

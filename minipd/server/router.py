@@ -268,10 +268,14 @@ class Router:
         usage = msg.blocks_used / max(1, msg.blocks_total)  # a malformed message stops here, before it is kept
         before = w.stats.num_preempted if w.stats else 0
         preempted = msg.num_preempted - before if msg.num_preempted >= before else msg.num_preempted  # (restarted)
+        gc = (float(msg.gc["longest_full_seconds"]), float(msg.gc["seconds"])) if msg.gc is not None else None
         if preempted > 0:
             self.metrics.preemptions.labels(model).inc(preempted)
         w.stats = msg
         self.metrics.kv_usage.labels(model, str(msg.worker_id)).set(usage)
+        if gc is not None:
+            self.metrics.worker_gc_longest.labels(model, str(msg.worker_id)).set(gc[0])
+            self.metrics.worker_gc_seconds.labels(model, str(msg.worker_id)).set(gc[1])
         stats = [x.stats for x in self.pool.workers if x.stats and x.alive]
         self.metrics.running.labels(model).set(sum(s.num_running for s in stats))
         self.metrics.seats_waiting.labels(model).set(self.seats.num_waiting)

@@ -33,8 +33,10 @@ def run_worker(spec: WorkerSpec) -> None:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # until the worker can say it is leaving
+    from minipd.heap import freeze_startup_heap
     from minipd.workers.worker import Worker
 
     worker = Worker(spec)
+    freeze_startup_heap()  # torch, the model: a full collection walked them all, mid-step (minipd/heap.py)
     signal.signal(signal.SIGTERM, lambda signum, frame: worker.leave())
     worker.loop()

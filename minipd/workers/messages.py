@@ -208,6 +208,7 @@ class WorkerStats:
     num_preempted: int
     handoffs: dict  # stage -> count, both sides
     integrity_error: str | None = None
+    gc: dict | None = None  # heap.GcPauses.as_dict(): the collector's pauses in the worker
 
 
 @message

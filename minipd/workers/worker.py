@@ -18,6 +18,7 @@ import zmq
 from minipd.config import EngineConfig
 from minipd.engine.block_manager import blocks_for
 from minipd.engine.engine import Engine, StepFailed
+from minipd.heap import GcPauses
 from minipd.sampling_params import SamplingParams
 from minipd.transfer import shm, wire
 from minipd.transfer.handoffs import Handoff, Handoffs, Stage
@@ -74,6 +75,7 @@ class Worker:
         self.said_leaving = False
         self.stuck = False  # the last step could run nothing (no free blocks yet): do not spin
         self.last_stats = self.last_lease_check = 0.0
+        self.gc = GcPauses()
         self.engine.on_prefill_step = lambda start, tokens, decodes, keys: self.send(
             m.StepStart(self.id, start, tokens, decodes, keys))
         faults.install(self)
@@ -163,6 +165,7 @@ class Worker:
         self.shm_owner = None
         self.sender.close()
         self.ctx.destroy(linger=0)
+        self.gc.close()
 
     @staticmethod
     def _drain(sock, handler) -> None:
@@ -464,5 +467,5 @@ class Worker:
         handoffs.update({f"in:{k}": v for k, v in self.seats.handoffs.count_by_stage().items()})
         self.send(m.WorkerStats(self.id, e.scheduler.config.role, e.num_running(), e.num_waiting(),
                                 e.blocks.num_used, e.blocks.num_seated, e.blocks.num_booked, e.blocks.num_blocks,
-                                e.scheduler.num_preempted, handoffs, integrity))  # fmt: skip
+                                e.scheduler.num_preempted, handoffs, integrity, self.gc.as_dict()))  # fmt: skip
         self.last_stats = time.monotonic()
