@@ -71,14 +71,17 @@ def describe(head_dim: int = 64) -> dict:
     onednn = torch.backends.mkldnn.is_available()
     decode_attention = ("minipd paged_attention, " + (f"{isa} vectors" if head_dim in (64, 128) else "plain loops")
                         if built else "PyTorch SDPA over the gathered KV")  # fmt: skip
-    blocks = cpu_kernels.blocked_linear_in_use()
+    blocked_rows = cpu_kernels.blocked_linear_rows()
+    blocks = blocked_rows == sys.maxsize  # every product; fewer rows: the decode's, below
     blocked = f"minipd blocked_linear ({isa}, weights in column blocks"
+    decode_blocks = f"minipd blocked_linear ({isa}, weights in column blocks) up to {blocked_rows} rows, then "
     unpacked = f"with --no-prepack: small_linear to {cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then oneDNN"
     f32 = {
         "prefill_attention": f"minipd paged_prefill ({isa})" if cpu_kernels.paged_prefill_available(
             torch.float32, head_dim) else "PyTorch SDPA over the gathered KV",  # fmt: skip
         "decode_attention": decode_attention,
         "decode_linears": f"{blocked}; {unpacked})" if blocks
+        else f"{decode_blocks}oneDNN (prepacked)" if blocked_rows
         else f"minipd small_linear ({isa}) up to {cpu_kernels.small_rows_beside_packed()} rows, then oneDNN (prepacked)"
         if vectors else ("oneDNN" if onednn else "PyTorch (MKL)"),
         "prefill_linears": f"{blocked}; with --no-prepack: {_unpacked_prefill(cpu_kernels.onednn_max_rows())})"
@@ -92,6 +95,7 @@ def describe(head_dim: int = 64) -> dict:
     many_rows_bf16 = ("PyTorch (oneDNN bfloat16)" if native_bf16 else
                       "weights widened to float32 for the call, then PyTorch (no bfloat16 instructions)")  # fmt: skip
     bf16_blocks = blocks and cpu_kernels.blocked_bfloat16()
+    bf16_decode_blocks = blocked_rows and not blocks and cpu_kernels.blocked_bfloat16()
     bf16_blocked = f"{blocked}, {bf16_products}, float32 sums; with --no-prepack: "
     attention_dot = built and cpu_kernels.prefill_bfloat16_dot()
     bf16 = {
@@ -102,6 +106,8 @@ def describe(head_dim: int = 64) -> dict:
         + (", float32 sums" if built else ""),
         "decode_linears": f"{bf16_blocked}small_linear to {cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then "
         f"{many_rows_bf16})" if bf16_blocks
+        else f"{decode_blocks.removesuffix(', then ')}, {bf16_products}, float32 sums; then {many_rows_bf16}"
+        if bf16_decode_blocks
         else f"minipd small_linear ({isa}, {bf16_products}, float32 sums) up to "
         f"{cpu_kernels.SMALL_LINEAR_MAX_ROWS} rows, then " + many_rows_bf16 if vectors else many_rows_bf16,
         "prefill_linears": f"{bf16_blocked}{many_rows_bf16})" if bf16_blocks else many_rows_bf16,
@@ -114,7 +120,7 @@ def describe(head_dim: int = 64) -> dict:
         "kernels": {"built": built, "isa": isa, "vector_kernels": vectors, "note": build_line.removeprefix("minipd: "),
                     "error": cpu_kernels.error() or None, "forced_isa": os.environ.get(kernel_build.ISA_ENV) or None,
                     "disabled": bool(os.environ.get("MINIPD_NO_KERNEL")),
-                    "blocked_linear": _blocked_source(isa, blocks)},  # fmt: skip
+                    "blocked_linear": _blocked_source(isa, blocked_rows > 0)},  # fmt: skip
         "paths": {"float32": f32, "bfloat16": bf16},
         "default_dtype": "float32",
         "threads": torch.get_num_threads(),

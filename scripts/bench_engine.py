@@ -1,6 +1,7 @@
 """minipd's engine against Hugging Face transformers on the same model, dtype and thread count,
 side by side in one run (alternating rounds, best of each, as the machine is noisy); or, with
---against float32, minipd in --dtype against minipd's own float32.
+--against float32, minipd in --dtype against minipd's own float32; or, with --against no-blocks,
+minipd against itself without blocked_linear.
 
 Rows: prefill (512 and 2048 tokens) and decode at batch 1, 8 and 32 with contexts of 512 and
 2048 tokens, mixed in a batch. Each row prints tokens/s for both, the ratio minipd/HF, and the
@@ -13,11 +14,13 @@ About 5-10 minutes on 2 cores with the default model.
 
     python scripts/bench_engine.py --threads 1
     python scripts/bench_engine.py --dtype bfloat16 --against float32
+    python scripts/bench_engine.py --against no-blocks      # blocked_linear as measured here, against off
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def parse_args():
@@ -32,8 +35,9 @@ def parse_args():
     ap.add_argument("--contexts", default="512,2048",
                     help="decode rows: 512 (every sequence at 512) and/or 2048 (contexts 512-2048 mixed)")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="batches 1 and 8, one round")
-    ap.add_argument("--against", default="transformers", choices=["transformers", "float32"],
-                    help="the other side: transformers in --dtype, or minipd itself in float32")  # fmt: skip
+    ap.add_argument("--against", default="transformers", choices=["transformers", "float32", "no-blocks"],
+                    help="the other side: transformers in --dtype, minipd itself in float32, or minipd in --dtype "
+                    "without blocked_linear (MINIPD_BLOCKED_LINEAR=0's paths)")  # fmt: skip
     return ap.parse_args()
 
 
@@ -99,7 +103,7 @@ def main() -> None:
     model = load_model(args.model, dtype, args.device)
     if args.against == "transformers":
         hf = AutoModelForCausalLM.from_pretrained(resolve(args.model), dtype=dtype).to(dev).eval()
-    other = "HF" if args.against == "transformers" else "f32"
+    other = {"transformers": "HF", "float32": "f32", "no-blocks": "no-blk"}[args.against]
     cfg = model.config
     layer_params = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers."))
     all_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
@@ -109,6 +113,11 @@ def main() -> None:
     print(f"model {args.model or 'SmolLM2-135M-Instruct'}  {args.dtype}  {args.device}  threads {args.threads}  "
           f"weights {all_params * esize / 1e6:.0f} MB  KV {kv_per_token / 1e3:.1f} kB/token")  # fmt: skip
     print(f"measured here: read bandwidth {bw / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s")
+    if args.against == "no-blocks":
+        from minipd.models import cpu_kernels
+
+        rows = cpu_kernels.blocked_linear_rows()
+        print(f"blocked_linear here: {'every product' if rows == sys.maxsize else f'up to {rows} rows' if rows else 'off'}")
     print(f"{'what':<34}{'minipd':>10}{other:>10}{'ratio':>8}{'floor':>10}{'of floor':>10}")
 
     def row(name: str, m: float, h: float, floor: float) -> None:
@@ -194,6 +203,15 @@ def main() -> None:
         engine32 = make_engine(load_model(args.model, torch.float32, args.device), "float32")
         other_prefill = functools.partial(minipd_prefill, engine=engine32)
         other_decode = functools.partial(minipd_decode, engine=engine32)
+    if args.against == "no-blocks":
+        measured_rows = cpu_kernels.blocked_linear_rows
+        cpu_kernels.blocked_linear_rows = lambda: 0  # for the other engine's model alone (set as it is made)
+        try:
+            engine_nb = make_engine(load_model(args.model, dtype, args.device), args.dtype)
+        finally:
+            cpu_kernels.blocked_linear_rows = measured_rows
+        other_prefill = functools.partial(minipd_prefill, engine=engine_nb)
+        other_decode = functools.partial(minipd_decode, engine=engine_nb)
 
     with torch.inference_mode():
         for n in (512, 2048):

@@ -19,9 +19,12 @@ def test_info_agrees_with_what_the_dispatch_chooses():
     prefill = got["paths"]["float32"]["prefill_attention"]
     assert prefill.startswith("minipd paged_prefill") == cpu_kernels.paged_prefill_available(torch.float32, 64)
     f32_linears = got["paths"]["float32"]["decode_linears"]
-    if cpu_kernels.blocked_linear_in_use():
-        assert f32_linears.startswith("minipd blocked_linear")
-        assert got["paths"]["float32"]["prefill_linears"].startswith("minipd blocked_linear")
+    f32_prefill = got["paths"]["float32"]["prefill_linears"]
+    if cpu_kernels.blocked_linear_rows() == sys.maxsize:
+        assert f32_linears.startswith("minipd blocked_linear") and f32_prefill.startswith("minipd blocked_linear")
+    elif cpu_kernels.blocked_linear_in_use():  # a decode step's rows alone (blocked_choice.py)
+        assert f32_linears.startswith("minipd blocked_linear") and f"up to {cpu_kernels.blocked_linear_rows()} rows" in f32_linears
+        assert f32_prefill.startswith("oneDNN")
     else:
         assert f32_linears.startswith("minipd small_linear") == cpu_kernels.small_linear_available()
     bf16_linears = got["paths"]["bfloat16"]["decode_linears"]

@@ -280,6 +280,39 @@ def test_with_avx512_every_float32_product_runs_on_column_blocked_weights_and_no
         use_cpu_kernels(tiny_model)
 
 
+def test_where_the_blocks_win_only_a_decode_steps_rows_they_take_those_and_onednn_keeps_its_packed_copy(
+        monkeypatch, tiny_model):  # fmt: skip
+    """Defect (the Zen 3 AVX2 EPYC): blocked_linear measured faster up to 16 rows and slower from 32
+    was off for every product. Now up to its rows each Linear multiplies on the column blocks (the
+    one-call decode takes batches that large), and beyond them on oneDNN's prepacked copy (both
+    copies kept, the LM head's blocks alone), with products equal to F.linear's on either side."""
+    import torch
+    import torch.nn.functional as F
+
+    from minipd.models.linear import Linear, use_cpu_kernels
+
+    cpu_kernels.small_linear_available()
+    if not (cpu_kernels.available() and torch.backends.mkldnn.is_available()):
+        pytest.skip("no kernels built, or no oneDNN")
+    monkeypatch.setattr(cpu_kernels, "blocked_linear_rows", lambda: 16)
+    try:
+        use_cpu_kernels(tiny_model, prepack=True)
+        linears = [m for m in tiny_model.modules() if isinstance(m, Linear)]
+        assert all(m.blocked is not None and m.blocked_rows == 16 for m in linears)
+        assert all((m.packed is None) == (m is tiny_model.lm_head) for m in linears)
+        assert tiny_model.decode_rows == 16
+        for m in (linears[0], tiny_model.lm_head):
+            for rows in (1, 8, 16, 17, 64):
+                x = torch.randn(rows, m.in_features)
+                torch.testing.assert_close(m.forward(x), F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(cpu_kernels, "blocked_linear_rows", lambda: 0)
+        use_cpu_kernels(tiny_model, prepack=True)
+        assert all(m.blocked is None for m in linears) and tiny_model.decode_rows <= cpu_kernels.SMALL_LINEAR_MAX_ROWS
+    finally:
+        monkeypatch.undo()
+        use_cpu_kernels(tiny_model)
+
+
 @pytest.mark.parametrize("flags,mkl_from", [({"avx2", "fma"}, 512), ({"avx2", "fma", "avx512f"}, None)])
 def test_prefill_products_go_to_mkl_from_the_rows_where_it_beats_onednn_without_avx512(monkeypatch, tiny_model, flags,
                                                                                        mkl_from):  # fmt: skip
@@ -366,7 +399,7 @@ def test_blocked_linear_is_measured_in_the_build_child_once_where_its_isa_is_not
     library.touch()
     choice = library.parent / kernel_build.BLOCKED_CHOICE_FILE
     assert kernel_build.blocked_choice_due("avx2") and not kernel_build.blocked_choice_due("avx512")
-    kept = '{"use": true, "speedup": {"1": 1.2}}'
+    kept = '{"use": true, "rows": null, "speedup": {"1": 1.2}}'
     choice.write_text("{}")  # not a measurement (a file left half-made by hand): taken again
     assert kernel_build.blocked_choice_due("avx2")
     fake_build(monkeypatch, f"import pathlib; pathlib.Path({str(choice)!r}).write_text({kept!r})")
@@ -405,6 +438,7 @@ def test_bfloat16_products_of_many_rows_leave_widened_blocks_for_mkl_where_there
     calls = []
     real_linear = F.linear
     monkeypatch.setattr(linear_mod.F, "linear", lambda *a, **k: calls.append(a[0].shape[0]) or real_linear(*a, **k))
+    use_cpu_kernels(tiny_model, on=False)  # no oneDNN copy left on it: an opaque tensor cannot be deep-copied
     model = copy.deepcopy(tiny_model).to(torch.bfloat16)  # the fixture's model may be shared: left as it was
     try:
         use_cpu_kernels(model, prepack=True)
@@ -416,3 +450,4 @@ def test_bfloat16_products_of_many_rows_leave_widened_blocks_for_mkl_where_there
         assert calls == [512]
     finally:
         monkeypatch.undo()
+        use_cpu_kernels(tiny_model)

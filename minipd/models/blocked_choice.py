@@ -9,20 +9,25 @@ faster than small_linear at 1-8 rows and multiplied 1.0-1.2x faster than oneDNN 
 were never measured. So it is timed here against what runs without it: small_linear for a decode
 step's rows, oneDNN on prepacked weights and MKL for a prefill's, on the default model's layer
 shapes, alternating, best of a few passes (a few seconds, in the build's child before the workers
-spawn). It runs if it is faster for decode (by DECODE_GAIN) and no slower for prefill (within
-PREFILL_SLACK); MINIPD_BLOCKED_LINEAR=1 or 0 overrides."""
+spawn). It runs every product if it is faster for decode (by DECODE_GAIN) and no slower for
+prefill (within PREFILL_SLACK). Where it is faster for decode but slower for prefill (the Zen 3
+AVX2 EPYC: 1.2-1.4x at 1-16 rows, 0.7-0.9x from 32) it runs the products up to the largest row
+count measured no slower (MIDDLE_ROWS: a decode batch's sizes), and the rest keep their paths.
+MINIPD_BLOCKED_LINEAR=1 (every product) or 0 overrides."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 from minipd.models import kernel_build
 
 DECODE_ROWS = (1, 8)
+MIDDLE_ROWS = (16, 32)  # a large decode batch, read from memory like DECODE_ROWS: how far the blocks may go
 PREFILL_ROWS = (128, 1024)
 DECODE_GAIN = 1.05  # geometric mean over DECODE_ROWS of the other path's time / blocked's
 PREFILL_SLACK = 0.95  # each of PREFILL_ROWS: the other path's time / blocked's at least this
@@ -35,10 +40,27 @@ def path() -> Path:
     return kernel_build.build_directory() / kernel_build.BLOCKED_CHOICE_FILE
 
 
-def decide(speedups: dict[int, float]) -> bool:
-    """From the measured speed-ups of blocked_linear over the other path, per row count."""
+def decide(speedups: dict[int, float]) -> int:
+    """Rows up to which blocked_linear runs (0: never, sys.maxsize: every product), from its measured
+    speed-ups over the other path per row count."""
     decode = math.exp(sum(math.log(speedups[r]) for r in DECODE_ROWS) / len(DECODE_ROWS))
-    return decode >= DECODE_GAIN and all(speedups[r] >= PREFILL_SLACK for r in PREFILL_ROWS)
+    if decode < DECODE_GAIN:
+        return 0
+    if all(speedups[r] >= PREFILL_SLACK for r in PREFILL_ROWS):
+        return sys.maxsize
+    rows = max(DECODE_ROWS)
+    for r in sorted(r for r in speedups if r > rows):
+        if speedups[r] < 1.0:
+            break
+        rows = r
+    return rows
+
+
+def rows_of(found: dict) -> int:
+    """The rows a kept measurement decided (decide()); JSON keeps "every product" as null."""
+    if not found.get("use"):
+        return 0
+    return sys.maxsize if found.get("rows") is None else int(found["rows"])
 
 
 def cached() -> dict | None:
@@ -54,7 +76,7 @@ def choice() -> dict:
     try:
         measured = measure()
     except Exception as err:  # e.g. a torch without oneDNN: the paths it would be timed against are not there
-        measured = {"use": False, "speedup": {}, "error": f"{type(err).__name__}: {err}"[:300]}
+        measured = {"use": False, "rows": 0, "speedup": {}, "error": f"{type(err).__name__}: {err}"[:300]}
     target = path()
     temporary = target.with_suffix(f".{os.getpid()}.tmp")
     try:
@@ -80,7 +102,7 @@ def measure() -> dict:
         gen = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(-(-DECODE_BYTES // layer_bytes)) for n, k in SHAPES]
         blocked = [torch.ops.minipd.blocked_weight(w) for w in weights]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights[: len(SHAPES)]]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1024) for w in weights]
         small_rows, onednn_rows = cpu_kernels.SMALL_LINEAR_MAX_ROWS, cpu_kernels.onednn_max_rows()
 
         def other(x, i):
@@ -91,8 +113,8 @@ def measure() -> dict:
             return F.linear(x, weights[i])
 
         speedups, times = {}, {}
-        for rows in DECODE_ROWS + PREFILL_ROWS:
-            layers = len(weights) if rows in DECODE_ROWS else len(SHAPES)  # a prefill's products: one layer
+        for rows in DECODE_ROWS + MIDDLE_ROWS + PREFILL_ROWS:
+            layers = len(SHAPES) if rows in PREFILL_ROWS else len(weights)  # a prefill's products: one layer
             xs = {k: torch.randn(rows, k, generator=gen) for k in {k for _, k in SHAPES}}
 
             def run(fn) -> float:
@@ -112,13 +134,16 @@ def measure() -> dict:
             times[rows] = {name: round(t * 1e3, 3) for name, t in best.items()}
     finally:
         torch.set_num_threads(threads)
+    rows = decide(speedups)
     return {
         "isa": cpu_kernels.kernel_isa(),
-        "use": decide(speedups),
+        "use": rows > 0,
+        "rows": None if rows == sys.maxsize else rows,  # null: every product
         "speedup": {str(r): s for r, s in speedups.items()},
         "ms": {str(r): t for r, t in times.items()},
         "other": f"small_linear to {small_rows} rows, oneDNN prepacked to {min(onednn_rows, 10**9)}, then MKL",
-        "rule": f"decode (rows {DECODE_ROWS}) geometric mean >= {DECODE_GAIN}, prefill (rows {PREFILL_ROWS}) each >= {PREFILL_SLACK}",
+        "rule": f"decode (rows {DECODE_ROWS}) geometric mean >= {DECODE_GAIN}; then every product if prefill (rows "
+        f"{PREFILL_ROWS}) each >= {PREFILL_SLACK}, else up to the rows past the decode's where each is >= 1.0",
     }
 
 
@@ -128,4 +153,6 @@ def summary(found: dict | None) -> str:
     if found.get("error"):
         return f"off (its measurement failed: {found['error']})"
     rates = ", ".join(f"{r} rows {s:.2f}x" for r, s in found["speedup"].items())
-    return f"measured here against the other paths: {rates} ({'on' if found['use'] else 'off'})"
+    rows = rows_of(found)
+    state = "on" if rows == sys.maxsize else f"on up to {rows} rows" if rows else "off"
+    return f"measured here against the other paths: {rates} ({state})"

@@ -83,22 +83,29 @@ def prefill_bfloat16_dot() -> bool:
 BLOCKED_ENV = kernel_build.BLOCKED_ENV  # 1 or 0: blocked_linear on or off wherever the vector kernels run
 
 
-def blocked_linear_in_use() -> bool:
-    """Whether a float32 Linear with prepacked weights holds them in column blocks and multiplies
-    them with minipd's blocked_linear at every row count (BLOCKED_ISAS, or MINIPD_BLOCKED_LINEAR)."""
+def blocked_linear_rows() -> int:
+    """Rows up to which a float32 Linear with prepacked weights multiplies them in column blocks with
+    minipd's blocked_linear: every product (sys.maxsize) on BLOCKED_ISAS or with MINIPD_BLOCKED_LINEAR=1,
+    none (0), or as far as blocked_choice.py measured it faster on this CPU."""
     isa = kernel_isa()
     if not kernel_build.vector_kernels_usable(isa, kernel_build.cpu_flags()):
-        return False
+        return 0
     forced = os.environ.get(BLOCKED_ENV, "").strip()
     if forced not in ("", "0", "1"):
         raise ValueError(f"{BLOCKED_ENV}={forced!r}: expected 1 (on), 0 (off) or unset (the ISA's default)")
     if forced:
-        return forced == "1"
+        return sys.maxsize if forced == "1" else 0
     if isa in BLOCKED_ISAS:
-        return True
+        return sys.maxsize
     if "blocked" not in _state:
-        _state["blocked"] = isa in kernel_build.MEASURED_BLOCKED_ISAS and blocked_choice.choice()["use"]
+        measured = isa in kernel_build.MEASURED_BLOCKED_ISAS
+        _state["blocked"] = blocked_choice.rows_of(blocked_choice.choice()) if measured else 0
     return _state["blocked"]
+
+
+def blocked_linear_in_use() -> bool:
+    """Whether blocked_linear runs any product here (blocked_linear_rows)."""
+    return blocked_linear_rows() > 0
 
 
 def blocked_bfloat16() -> bool:

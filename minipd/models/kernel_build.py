@@ -176,6 +176,7 @@ def read_blocked_choice(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     ok = isinstance(found, dict) and isinstance(found.get("use"), bool) and isinstance(found.get("speedup"), dict)
+    ok = ok and "rows" in found and (found["rows"] is None or isinstance(found["rows"], int))  # (kept since 2026-12-07)
     return found if ok else None
 
 

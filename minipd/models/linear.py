@@ -54,7 +54,9 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     With prepack, where blocked_linear is in use (AVX-512, cpu_kernels.BLOCKED_ISAS; elsewhere where
     it measured faster, blocked_choice.py), each float32
     Linear, the LM head too, keeps a copy of its weight in blocked_linear's column blocks and runs
-    every product on it. Elsewhere each float32 Linear but the LM head (it is the embedding, tied)
+    every product on it, or, where it measured faster only for a decode step's rows, the products of
+    up to cpu_kernels.blocked_linear_rows() rows (the rest as below, so each Linear but the head then
+    holds three copies of its weight). Elsewhere each float32 Linear but the LM head (it is the embedding, tied)
     keeps a copy of its weight in oneDNN's blocked layout: prefill's products run 5-14% faster from it (up to
     cpu_kernels.onednn_max_rows(); beyond, MKL's product on the plain weights), and on
     AVX-512 from 3 rows on oneDNN reads it as fast as the small-row kernel reads the plain weights,
@@ -71,11 +73,12 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
     onednn = cpu32 and torch.backends.mkldnn.is_available()
     fused = (cpu32 or bf16) and cpu_kernels.available()
     widen = bf16 and not cpu_kernels.native_bfloat16()
-    blocks = (cpu32 or bf16) and prepack and cpu_kernels.blocked_linear_in_use() and (cpu32 or cpu_kernels.blocked_bfloat16())
+    blocked_rows = cpu_kernels.blocked_linear_rows() if (cpu32 or bf16) and prepack else 0
+    blocks = blocked_rows > 0 and (cpu32 or cpu_kernels.blocked_bfloat16())
     # bfloat16 widened in the blocks: slower than MKL on widened weights from 512 rows (Zen 1 AVX2)
-    widened_blocks_rows = sys.maxsize
     if blocks and bf16 and not cpu_kernels.blocked_bfloat16_dot():
-        widened_blocks_rows = cpu_kernels.MKL_FROM_ROWS_WITHOUT_AVX512 - 1
+        blocked_rows = min(blocked_rows, cpu_kernels.MKL_FROM_ROWS_WITHOUT_AVX512 - 1)
+    blocks_take_all = blocks and blocked_rows == sys.maxsize  # else oneDNN's packed copy takes the rows beyond
     head = getattr(model, "lm_head", None)
     for m in model.modules():
         if isinstance(m, Linear):
@@ -85,14 +88,14 @@ def use_cpu_kernels(model: nn.Module, on: bool = True, prepack: bool = True) -> 
                 m.blocked = torch.ops.minipd.blocked_weight(m.weight.detach())
             elif not block:
                 m.blocked = None
-            pack = onednn and prepack and m.int8 is None and m is not head and not block
+            pack = onednn and prepack and m.int8 is None and m is not head and not (block and blocks_take_all)
             if pack and m.packed is None:
                 m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 1024)
             elif not pack:
                 m.packed = None
             m.small_rows = (cpu_kernels.small_rows_beside_packed() if pack else cpu_kernels.SMALL_LINEAR_MAX_ROWS) if small else 0
             m.onednn_rows = cpu_kernels.onednn_max_rows() if onednn else 0
-            m.blocked_rows = widened_blocks_rows
+            m.blocked_rows = blocked_rows
             m.widen = widen
         if hasattr(type(m), "fused"):
             m.fused = fused
