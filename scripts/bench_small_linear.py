@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", help="rows of x (the decode batch)")
     ap.add_argument("--repeats", type=int, default=5, help="best of this many passes")
     ap.add_argument("--only", choices=["down"], help="only the MLP's down projections (K 1,536): 106 MB")
-    ap.add_argument("--against", metavar="REV", help="also time the small-row kernel of this git revision")
+    ap.add_argument("--against", metavar="REV", help="also time the small-row and blocked kernels of this git revision")
     args = ap.parse_args()
     import torch
 
@@ -64,14 +64,17 @@ def main() -> None:
     blocked = {id(w): torch.ops.minipd.blocked_weight(w) for w in weights}  # as --prepack holds them on AVX-512
     ways = {"minipd": lambda x, w: torch.ops.minipd.small_linear(x, w, None)}
     if args.against:
-        ways[f"minipd@{args.against}"] = kernel_of_revision(args.against)
+        then = kernels_of_revision(args.against)
+        ways[f"minipd@{args.against}"] = lambda x, w: then.small_linear(x, w, None)
+    ways |= {"minipd blocked": lambda x, w: torch.ops.minipd.blocked_linear(x, blocked[id(w)], None)}
+    if args.against:  # the blocks' layout (blocked_weight) is taken as the same in both
+        ways[f"blocked@{args.against}"] = lambda x, w: then.blocked_linear(x, blocked[id(w)], None)
     ways |= {
-        "minipd blocked": lambda x, w: torch.ops.minipd.blocked_linear(x, blocked[id(w)], None),
         "F.linear": torch.nn.functional.linear,
         "oneDNN": lambda x, w: onednn(x, w, None, "none", [], ""),
         "oneDNN packed": lambda x, w: onednn(x, packed[id(w)], None, "none", [], ""),
     }
-    print(f"{'rows':>4}" + "".join(f"{name:>17}" for name in ways) + ("  minipd / then" if args.against else ""))
+    print(f"{'rows':>4}" + "".join(f"{name:>17}" for name in ways) + ("  minipd / then, blocked / then" if args.against else ""))
     small = {"minipd", f"minipd@{args.against}"}  # the small-row kernel takes at most SMALL_ROWS
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
@@ -82,16 +85,16 @@ def main() -> None:
             passes = [lambda fn=fn: [fn(xs[w.shape[1]], w) for w in weights] for fn in runs.values()]
             rates = dict(zip(runs, (total / t for t in best(*passes))))
             ratio = f"{rates['minipd'] / rates[f'minipd@{args.against}']:>12.2f}x" if args.against and m <= SMALL_ROWS else ""
+            ratio += f"{rates['minipd blocked'] / rates[f'blocked@{args.against}']:>12.2f}x" if args.against else ""
             cells = [f"{rates[n] / 1e9:>10.1f} ({rates[n] / bw:>4.0%})" if n in rates else f"{'-':>17}" for n in ways]
             print(f"{m:>4}" + "".join(cells) + ratio, flush=True)
 
 
-def kernel_of_revision(rev: str):
-    """small_linear of git revision `rev` (revision_kernels.py)."""
+def kernels_of_revision(rev: str):
+    """torch.ops.minipd_then: the kernels of git revision `rev` (revision_kernels.py)."""
     from revision_kernels import kernels_of_revision
 
-    then = kernels_of_revision(rev)
-    return lambda x, w: then.small_linear(x, w, None)
+    return kernels_of_revision(rev)
 
 
 if __name__ == "__main__":
