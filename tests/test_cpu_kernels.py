@@ -1,7 +1,6 @@
 """minipd's CPU kernels against the portable PyTorch paths they replace."""
 
 import math
-import sys
 
 import pytest
 import torch
@@ -407,7 +406,8 @@ def test_decode_in_one_call_gives_the_layer_loops_logits_bit_for_bit(dtype, prep
         assert all(blocked) if prepack and 2 * inter % cpu_kernels.block_columns() == 0 else (any(blocked) == prepack and not all(blocked))
         rows.append(model.decode_rows)  # beside unblocked layers: as many as the small-row kernel takes there
         widened = dtype == torch.bfloat16 and not cpu_kernels.blocked_bfloat16_dot()  # MKL from 512 rows
-        blocked_rows = cpu_kernels.MKL_FROM_ROWS_WITHOUT_AVX512 - 1 if widened else sys.maxsize
+        blocked_rows = cpu_kernels.blocked_linear_rows()  # every product, or a decode step's rows (measured)
+        blocked_rows = min(blocked_rows, cpu_kernels.MKL_FROM_ROWS_WITHOUT_AVX512 - 1) if widened else blocked_rows
         assert rows[-1] == blocked_rows if all(blocked) else 2 <= rows[-1] <= cpu_kernels.SMALL_LINEAR_MAX_ROWS
         if not one_call:
             model.decode_rows = 0
