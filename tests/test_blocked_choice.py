@@ -55,7 +55,7 @@ def test_a_measurement_times_both_paths_at_every_row_count_and_is_kept_and_reuse
     assert json.loads((tmp_path / "blocked_choice.json").read_text()) == got
     monkeypatch.setattr(blocked_choice, "measure", lambda: pytest.fail("measured twice"))
     assert blocked_choice.choice() == got
-    assert "64 rows" in blocked_choice.summary(got) and ("(on" if got["use"] else "(off)") in blocked_choice.summary(got)
+    assert "64 rows" in blocked_choice.summary(got) and blocked_choice.summary(got).startswith("in use" if got["use"] else "off")
 
 
 @pytest.mark.parametrize("text", ["{}", "[]", "not json", '{"use": "yes", "speedup": {}}',

@@ -152,7 +152,7 @@ def summary(found: dict | None) -> str:
         return "not measured yet"
     if found.get("error"):
         return f"off (its measurement failed: {found['error']})"
-    rates = ", ".join(f"{r} rows {s:.2f}x" for r, s in found["speedup"].items())
+    rates = ", ".join(f"{r} {'row' if r == '1' else 'rows'} {s:.2f}x" for r, s in found["speedup"].items())
     rows = rows_of(found)
-    state = "on" if rows == sys.maxsize else f"on up to {rows} rows" if rows else "off"
-    return f"measured here against the other paths: {rates} ({state})"
+    state = "in use for every product" if rows == sys.maxsize else f"in use up to {rows} rows" if rows else "off"
+    return f"{state}; measured here, its speed over the other paths' (above 1x: faster): {rates}"
