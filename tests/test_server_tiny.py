@@ -3,6 +3,7 @@
 import asyncio
 import glob
 import json
+import re
 import signal
 import time
 
@@ -686,6 +687,8 @@ def test_each_worker_freezes_its_startup_heap_and_reports_its_collections(server
         assert gc["collections"] >= gc["full_collections"] >= 0 and gc["longest_full_seconds"] <= gc["seconds"] + 1e-6
     status, text = server.get("/metrics")
     assert status == 200
+    text = text if isinstance(text, str) else text.decode()
     for w in workers:
-        assert f'minipd:worker_gc_longest_full_collection_seconds{{model_name="tiny-random",worker="{w["id"]}"}}' in (
-            text if isinstance(text, str) else text.decode())
+        assert f'minipd:worker_gc_longest_full_collection_seconds{{model_name="tiny-random",worker="{w["id"]}"}}' in text
+        assert f'minipd:worker_gc_seconds_total{{model_name="tiny-random",worker="{w["id"]}"}}' in text
+    assert re.search(r"# TYPE minipd:worker_gc_seconds(_total)? counter", text)  # (a new-user helper: it was a gauge)

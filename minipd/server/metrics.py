@@ -58,8 +58,8 @@ class Metrics:
         self.worker_gc_longest = gauge("minipd:worker_gc_longest_full_collection_seconds",
                                        "The longest full garbage collection of the worker (it stops the worker's "
                                        "step), since it started.", ["worker"])  # fmt: skip
-        self.worker_gc_seconds = gauge("minipd:worker_gc_seconds",
-                                       "Seconds the worker spent in garbage collection since it started.", ["worker"])
+        self.worker_gc_seconds = counter("minipd:worker_gc_seconds",
+                                         "Seconds the workers spent in garbage collection.", ["worker"])
         for family in (self.ttft, self.itl, self.e2e, self.queue_time, self.running, self.waiting, self.preemptions,
                        self.prompt_tokens,
                        self.generation_tokens, self.kv_bytes, self.kv_seconds, self.seats_reserved,

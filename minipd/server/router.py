@@ -72,6 +72,7 @@ class Router:
         self.ready = False
         self.placing = 0  # placements under way (a switch waits for them)
         self.fault: str | None = None  # set when the router itself cannot go on
+        self.gc_seconds_seen: dict[int, float] = {}  # each worker's collection seconds, as it last said
         self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     # ---- requests ------------------------------------------------------------------
@@ -275,7 +276,10 @@ class Router:
         self.metrics.kv_usage.labels(model, str(msg.worker_id)).set(usage)
         if gc is not None:
             self.metrics.worker_gc_longest.labels(model, str(msg.worker_id)).set(gc[0])
-            self.metrics.worker_gc_seconds.labels(model, str(msg.worker_id)).set(gc[1])
+            seen = self.gc_seconds_seen.get(msg.worker_id, 0.0)
+            grown = gc[1] - seen if gc[1] >= seen else gc[1]  # a worker restarted counts from 0 again
+            self.metrics.worker_gc_seconds.labels(model, str(msg.worker_id)).inc(max(0.0, grown))
+            self.gc_seconds_seen[msg.worker_id] = gc[1]
         stats = [x.stats for x in self.pool.workers if x.stats and x.alive]
         self.metrics.running.labels(model).set(sum(s.num_running for s in stats))
         self.metrics.seats_waiting.labels(model).set(self.seats.num_waiting)
