@@ -64,7 +64,9 @@ def main() -> None:
     blocked = {id(w): torch.ops.minipd.blocked_weight(w) for w in weights}  # as --prepack holds them on AVX-512
     ways = {"minipd": lambda x, w: torch.ops.minipd.small_linear(x, w, None)}
     if args.against:
-        then = kernels_of_revision(args.against)
+        from revision_kernels import kernels_of_revision  # beside this script
+
+        then = kernels_of_revision(args.against)  # torch.ops.minipd_then
         ways[f"minipd@{args.against}"] = lambda x, w: then.small_linear(x, w, None)
     ways |= {"minipd blocked": lambda x, w: torch.ops.minipd.blocked_linear(x, blocked[id(w)], None)}
     if args.against:  # the blocks' layout (blocked_weight) is taken as the same in both
@@ -88,13 +90,6 @@ def main() -> None:
             ratio += f"{rates['minipd blocked'] / rates[f'blocked@{args.against}']:>12.2f}x" if args.against else ""
             cells = [f"{rates[n] / 1e9:>10.1f} ({rates[n] / bw:>4.0%})" if n in rates else f"{'-':>17}" for n in ways]
             print(f"{m:>4}" + "".join(cells) + ratio, flush=True)
-
-
-def kernels_of_revision(rev: str):
-    """torch.ops.minipd_then: the kernels of git revision `rev` (revision_kernels.py)."""
-    from revision_kernels import kernels_of_revision
-
-    return kernels_of_revision(rev)
 
 
 if __name__ == "__main__":

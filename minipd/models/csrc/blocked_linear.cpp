@@ -13,7 +13,6 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>
-#include <type_traits>
 #include "elements.h"
 #include "ops.h"
 #include "vec.h"
@@ -83,7 +82,7 @@ void block(const uint16_t* x, int64_t K, const W* wb, const float* bias, uint16_
 
 // M rows (MB < M <= HALF_ROWS) against one of the block's NV weight vectors, v: M sums in registers
 // where M x NV would not fit; the next call reads the block's next vector from cache. On the Zen 3
-// AVX2 EPYC 7-8 rows ran 1.10-1.14x faster so than in two groups of block<M> (4 + 4, 6 + 2 before)
+// AVX2 EPYC 7-8 rows ran 1.05-1.14x faster than in two groups of 6 rows or fewer
 template <int M, typename W>
 void half_block(const float* x, int64_t K, const W* wb, int v, const float* bias, float* y, int64_t N) {
   Vec acc[M];
@@ -99,7 +98,7 @@ void half_block(const float* x, int64_t K, const W* wb, int v, const float* bias
 // half_block<M> for the `left` (MB + 1 to M) rows of a pass
 template <int M, typename T, typename W>
 void half_rows(int left, const T* x, int64_t K, const W* wb, int v, const float* bias, T* y, int64_t N) {
-  if constexpr (M > MB && std::is_same_v<T, float>) {
+  if constexpr (M > MB) {
     if (left == M) return half_block<M>(x, K, wb, v, bias, y, N);
     half_rows<M - 1>(left, x, K, wb, v, bias, y, N);
   }
