@@ -692,3 +692,15 @@ def test_each_worker_freezes_its_startup_heap_and_reports_its_collections(server
         assert f'minipd:worker_gc_longest_full_collection_seconds{{model_name="tiny-random",worker="{w["id"]}"}}' in text
         assert f'minipd:worker_gc_seconds_total{{model_name="tiny-random",worker="{w["id"]}"}}' in text
     assert re.search(r"# TYPE minipd:worker_gc_seconds(_total)? counter", text)  # (a new-user helper: it was a gauge)
+
+
+def test_each_worker_row_says_where_peers_put_its_kv(server):
+    """Confusing (a new-user helper): with --kv-transport shm, GET /admin/workers showed only a tcp
+    `kv_address`, which reads as if the KV went over tcp. That socket carries the handoffs' notes
+    (and, with tcp, the KV itself); with shm the KV is written into a /dev/shm segment, named now."""
+    body = server.get("/admin/workers")[1]
+    assert body["kv_transport"] == "shm"
+    for w in body["workers"]:
+        assert w["kv_address"].startswith("tcp://127.0.0.1:")
+        segment = w["kv_shm_segment"]
+        assert segment and glob.glob(f"/dev/shm/{segment.lstrip('/')}"), w

@@ -534,7 +534,8 @@ class Api:
             rows.append({"id": w.worker_id, "pid": w.pid, "state": w.state, "alive": w.alive, "role": w.role,
                          "device": w.device, "incarnation": w.incarnation, "restarts": w.num_restarts,
                          "exit_cause": w.exit_cause, "kv_transport": self.kv_transport,
-                         "kv_address": w.info.kv_address if w.info else None,
+                         "kv_address": w.info.kv_address if w.info else None,  # handoff notes (tcp: the KV too)
+                         "kv_shm_segment": w.info.kv_cache_name if w.info and self.kv_transport == "shm" else None,
                          "requests_running": s.num_running if s else 0, "requests_waiting": s.num_waiting if s else 0,
                          "inflight": r.load(w.worker_id), "kv_blocks_used": s.blocks_used if s else 0,
                          "kv_blocks_seated": s.blocks_seated if s else 0, "kv_blocks_booked": s.blocks_booked if s else 0,
