@@ -563,12 +563,12 @@ async def test_a_body_that_stops_arriving_gets_a_408_not_an_open_connection_fore
 
 
 @asynccontextmanager
-async def raw_server(keepalive_timeout: float = 75.0):
+async def raw_server(**runner_kwargs):
     """The API behind the runner `serve` uses (not aiohttp's test server): what aiohttp's own
     parser refuses never reaches the app, so only the runner decides how it is answered."""
     pool = WorkerPool([])
     api = Api(Router(pool, None, Metrics("tiny")), "tiny", MAX_MODEL_LEN, guard=BrowserGuard("127.0.0.1"))
-    runner = api.runner(keepalive_timeout=keepalive_timeout)
+    runner = api.runner(**runner_kwargs)
     await runner.setup()
     try:
         site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
@@ -577,6 +577,15 @@ async def raw_server(keepalive_timeout: float = 75.0):
     finally:
         await runner.cleanup()
         pool.kill()
+
+
+async def closed_by_server(reader, within: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(1), within) == b""
+    except asyncio.TimeoutError:
+        return False
+    except ConnectionError:
+        return True
 
 
 async def raw_exchange(port: int, request: bytes) -> tuple[bytes, dict, bytes]:
@@ -655,6 +664,64 @@ async def test_a_half_close_behind_an_answer_sent_without_reading_the_body_is_qu
         await asyncio.sleep(0.1)
     assert b" 404 " in status_line, status_line
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_an_idle_connection_is_closed_after_75_s_whatever_aiohttps_own_default():
+    """Defect (a hostile-client helper): `serve` left idle connections and half-sent request heads
+    open for good (aiohttp 3.14's keep-alive default is 3,630 s, not the 75 s the README said), so
+    20,000 silent sockets used up the open-files limit and every client was refused."""
+    from minipd.server.http_runner import KEEPALIVE_TIMEOUT_S
+
+    assert KEEPALIVE_TIMEOUT_S == 75.0
+    pool = WorkerPool([])
+    api = Api(Router(pool, None, Metrics("tiny")), "tiny", MAX_MODEL_LEN, guard=BrowserGuard("127.0.0.1"))
+    runner = api.runner()
+    await runner.setup()
+    try:
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        _, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        await asyncio.sleep(0.1)
+        assert [h.keepalive_timeout for h in runner.server.connections] == [KEEPALIVE_TIMEOUT_S]
+        writer.close()
+    finally:
+        await runner.cleanup()
+        pool.kill()
+
+
+async def test_past_max_connections_the_longest_open_idle_connections_are_closed_first():
+    """Silent sockets beyond --max-connections cannot lock clients out: each connection past the
+    limit closes the oldest connection that is waiting for a request, and a client is served."""
+    async with raw_server(max_connections=5) as port:
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(12)]
+        await asyncio.sleep(0.2)
+        status, _, body = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b" 200 " in status, (status, body)
+        closed = [await closed_by_server(reader, 0.5) for reader, _ in silent]
+        assert closed[:8] == [True] * 8 and closed[-4:] == [False] * 4, closed
+        for _, writer in silent:
+            writer.close()
+
+
+async def test_past_max_connections_with_none_idle_a_request_gets_a_503_saying_so():
+    async with raw_server(max_connections=3) as port:
+        busy = []
+        for _ in range(3):  # requests whose bodies are still on their way: none of them idle
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # fmt: skip
+            await writer.drain()
+            busy.append((reader, writer))
+        await asyncio.sleep(0.2)
+        status, _, body = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b" 503 " in status, (status, body)
+        error = json.loads(body)["error"]
+        assert error["code"] == "too_many_connections" and "--max-connections" in error["message"], error
+        for _, writer in busy:
+            writer.close()
+        await asyncio.sleep(0.2)
+        status, _, _ = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b" 200 " in status
 
 
 async def test_a_client_that_stalls_in_its_headers_is_cut_off():

@@ -3,6 +3,7 @@
 import asyncio
 import glob
 import json
+import os
 import re
 import signal
 import time
@@ -704,3 +705,38 @@ def test_each_worker_row_says_where_peers_put_its_kv(server):
         assert w["kv_address"].startswith("tcp://127.0.0.1:")
         segment = w["kv_shm_segment"]
         assert segment and glob.glob(f"/dev/shm/{segment.lstrip('/')}"), w
+
+
+def test_silent_and_half_sent_connections_cannot_lock_clients_out():
+    """Defect (a hostile-client helper): 20,000 sockets that sent nothing, or half a request head,
+    stayed open for good and used up the server's open files; then every client was refused. `serve`
+    now closes a connection that waits past --timeout-keep-alive, and past --max-connections closes
+    the oldest one waiting for a request."""
+    import socket
+
+    with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
+                 "--timeout-keep-alive", "2", "--max-connections", "40") as server:  # fmt: skip
+        def fds() -> int:
+            return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+
+        before = fds()
+        half = socket.create_connection(("127.0.0.1", server.port))
+        half.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(150)]
+        time.sleep(0.5)
+        status, body = server.get("/health")
+        assert status == 200, body
+        assert fds() <= before + 40 + 5, (before, fds())
+        status, _ = server.post("/v1/completions", {"prompt": [5, 17], "max_tokens": 2})
+        assert status == 200
+        half.settimeout(5)
+        t = time.monotonic()
+        for i in range(4):  # a header line a second does not keep it open
+            try:
+                half.sendall(b"X-Slow-%d: 1\r\n" % i)
+            except OSError:
+                break
+            time.sleep(1)
+        assert half.recv(1) == b"" and time.monotonic() - t < 5
+        for s in [half, *silent]:
+            s.close()

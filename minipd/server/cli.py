@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 
-from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float
+from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float, positive_int
 
 log = logging.getLogger("minipd")
 
@@ -46,6 +46,13 @@ def add_serve_parser(sub, add_engine_args) -> None:
                    help="seconds a request may take in all; past it, it ends with an error and frees its KV")
     g.add_argument("--drain-timeout", type=nonnegative_float, default=30.0,
                    help="on SIGTERM or Ctrl-C, seconds to let running requests finish before exiting")
+    g.add_argument("--timeout-keep-alive", type=positive_float, default=75.0,
+                   help="seconds a connection may wait for its next request, or for the rest of a request's "
+                        "headers, before it is closed")
+    g.add_argument("--max-connections", type=positive_int, default=None,
+                   help="open client connections at most; past it the oldest connection waiting for a request is "
+                        "closed, or (none idle) the new one's request gets a 503 (default: half the open-files "
+                        "limit, raised to its hard limit at start, at most 10,000)")
     g = s.add_argument_group("modes")
     g.add_argument("--mode", default="colocated", choices=["colocated", "chunked", "disagg", "auto"],
                    help="how prefill and decode share the workers (switch at run time: POST /admin/mode); auto: "
@@ -246,6 +253,7 @@ async def serve(args, configs: list[dict], mode) -> None:
     from minipd.models.files import model_config, served_name
     from minipd.server.app import Api
     from minipd.server.browser_guard import BrowserGuard
+    from minipd.server.http_runner import default_max_connections, raise_open_files_limit
     from minipd.server.metrics import Metrics
     from minipd.server.supervisor import Supervisor
     from minipd.server.worker_pool import WorkerPool
@@ -274,7 +282,9 @@ async def serve(args, configs: list[dict], mode) -> None:
 
     from aiohttp import web
 
-    runner = api.runner(access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
+    max_connections = args.max_connections or default_max_connections(raise_open_files_limit())
+    runner = api.runner(access_log=None, handler_cancellation=True, shutdown_timeout=2.0,
+                        keepalive_timeout=args.timeout_keep_alive, max_connections=max_connections)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = []

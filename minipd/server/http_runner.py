@@ -17,6 +17,9 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from minipd.server.protocol import ApiError
 
 log = logging.getLogger("minipd.api")
+# a connection waiting for a request (idle, or its request's head not yet whole) this long is closed:
+# nginx's keepalive_timeout; aiohttp 3.14's own default is 3,630 s
+KEEPALIVE_TIMEOUT_S = 75.0
 SUPPORTED_ENCODINGS = "send it plain (identity), gzip or deflate"
 MAX_MESSAGE_CHARS = 300  # the parser's message can quote what the client sent
 
@@ -28,6 +31,7 @@ class BodyCutShort(RequestPayloadError):
 class JsonErrorHandler(RequestHandler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.over_capacity = False  # opened past max_connections with no idle one to close: its request gets a 503
         self._newest = None  # the request made last on this connection (made before its handler's task runs)
         make = self._request_factory
 
@@ -95,23 +99,76 @@ def http_exception_as_json(exc: web.HTTPException) -> web.Response:
     return resp
 
 
+def raise_open_files_limit() -> int:
+    """The soft limit on open files raised to the hard one (as vLLM does at start); the limit now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def default_max_connections(open_files_limit: int) -> int:
+    """Half the open files for clients: the rest for workers' sockets, shared memory, logs."""
+    return max(64, min(10_000, open_files_limit // 2))
+
+
+def waiting_for_a_request(handler: RequestHandler) -> bool:
+    """Idle between requests, or a request's head not yet whole (aiohttp's own test for closing a
+    kept-alive connection: its protocol task waits for the next message)."""
+    waiter = getattr(handler, "_waiter", None)
+    return waiter is not None and not waiter.done()
+
+
 class JsonErrorServer(web.Server):
+    max_connections: int | None = None
+
     def __call__(self) -> RequestHandler:
         return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
+    def connection_made(self, handler: RequestHandler, transport) -> None:
+        super().connection_made(handler, transport)
+        excess = len(self._connections) - (self.max_connections or len(self._connections))
+        if excess <= 0:
+            return
+        idle = [h for h in self._connections if h is not handler and waiting_for_a_request(h)]  # oldest first
+        for h in idle[:excess]:
+            h.force_close()
+        if len(idle) < excess:
+            handler.over_capacity = True
+            log.warning("%d connections open, past --max-connections %d, and none idle: a new one is refused",
+                        len(self._connections), self.max_connections)  # fmt: skip
+
 
 class ApiRunner(web.AppRunner):
+    def __init__(self, app: web.Application, max_connections: int | None = None, **kwargs) -> None:
+        kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT_S)
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
+
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer  # the app's own Server, only its protocol class changed
-        server.request_handler = _http_exceptions_as_json(server.request_handler)
+        server.max_connections = self.max_connections
+        server.request_handler = _http_exceptions_as_json(server.request_handler, self.max_connections)
         return server
 
 
-def _http_exceptions_as_json(handle):
-    """What aiohttp raises before the app's middlewares run (its Expect handler's 417) in JSON too."""
+def _http_exceptions_as_json(handle, max_connections: int | None):
+    """What aiohttp raises before the app's middlewares run (its Expect handler's 417) in JSON too;
+    and a request on a connection opened past max_connections gets a 503."""
 
     async def answer(request):
+        if getattr(request.protocol, "over_capacity", False):
+            err = ApiError(f"the server has {max_connections} connections open (its --max-connections) and none "
+                           "idle; try again shortly", 503, type_="server_error", code="too_many_connections")  # fmt: skip
+            resp = web.json_response(err.body(), status=503, headers={"Retry-After": "1"})
+            resp.force_close()
+            return resp
         try:
             return await handle(request)
         except web.HTTPException as exc:
