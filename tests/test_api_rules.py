@@ -872,9 +872,11 @@ async def test_text_parts_of_a_message_are_joined_by_a_newline_as_vllm_does():
 
 
 @pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
-                                     {"role": "system", "content": None}, {"role": "tool"}])  # fmt: skip
+                                     {"role": "system", "content": None}, {"role": "tool"},
+                                     {"role": "user", "content": []}])  # fmt: skip
 async def test_a_message_without_content_is_refused_unless_it_is_the_assistants(message):
-    """Defect: a user message with no content was read as "" but one with null content was refused."""
+    """Defect: a user message with no content was read as "" but one with null content was refused;
+    and (a hostile-client helper) an empty list of parts was read as "" (OpenAI refuses it)."""
     from minipd.server.protocol import ApiError, chat_messages
 
     with pytest.raises(ApiError) as refused:

@@ -322,6 +322,8 @@ def chat_messages(body: dict, max_model_len: int, max_token_chars: int, truncate
         if msg.get("name") is not None and not isinstance(msg["name"], str):
             raise ApiError("a message's 'name' must be a string", param="messages")
         content = msg.get("content")
+        if content == []:  # no part at all: as no content (OpenAI refuses an empty array)
+            content = None
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             num_parts += len(content)
             if num_parts > max_model_len:
