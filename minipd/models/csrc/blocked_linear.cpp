@@ -23,8 +23,20 @@ using minipd_vec::Vec;
 constexpr int NV = 2;                                   // weight vectors per block
 constexpr int NB = NV * Vec::L;                         // output columns per block
 constexpr int MB = Vec::REGISTERS >= 32 ? 8 : 6;        // rows at a time: MB x NV sums, NV weights, one x
-constexpr int HALF_ROWS = MB == 6 ? 8 : MB;             // up to these rows, more than MB: half_block (AVX2)
 constexpr int64_t ROWS_PER_PASS = 128;                  // x's rows met by one pass over w (kept in L2)
+// k steps ahead whose weights a block<M> of 3 or more rows asks into L2 (prefetcht1: 2 KB, 32 lines on
+// AVX2). On the Zen 3 AVX2 EPYC (scripts/bench_small_linear.py --against) 4-16 rows read 1.1-1.35x
+// faster with it (6 rows at 86-92% of the read stream), 1-2 rows 0.8x (the hardware's prefetcher alone
+// keeps up there). Not measured with AVX-512 or NEON: off there (and in the scalar build).
+constexpr int64_t AHEAD = Vec::L == 8 && Vec::REGISTERS == 16 ? 32 : 0;  // AVX2
+
+template <typename W>
+inline void ask_ahead(const W* wb, int64_t k) {
+  if constexpr (AHEAD > 0) {
+    const char* p = reinterpret_cast<const char*>(wb + (k + AHEAD) * NB);
+    for (int64_t i = 0; i < static_cast<int64_t>(NB * sizeof(W)); i += 64) minipd_vec::prefetch_l2(p + i);
+  }
+}
 
 // W: float, or bfloat16's bits (uint16_t) widened exactly in registers where the CPU has no bfloat16
 // product instruction (x and y in float32 then; blocked_linear converts them)
@@ -34,6 +46,7 @@ void block(const float* x, int64_t K, const W* wb, const float* bias, float* y, 
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
+    if constexpr (M >= 3) ask_ahead(wb, k);
     Vec w[NV];
     for (int v = 0; v < NV; ++v) w[v] = Vec::load(wb + k * NB + v * Vec::L);
     for (int m = 0; m < M; ++m) {
@@ -80,30 +93,6 @@ void block(const uint16_t* x, int64_t K, const W* wb, const float* bias, uint16_
 #define MINIPD_BLOCKED_BF16 0
 #endif
 
-// M rows (MB < M <= HALF_ROWS) against one of the block's NV weight vectors, v: M sums in registers
-// where M x NV would not fit; the next call reads the block's next vector from cache. On the Zen 3
-// AVX2 EPYC 7-8 rows ran 1.05-1.14x faster than in two groups of 6 rows or fewer
-template <int M, typename W>
-void half_block(const float* x, int64_t K, const W* wb, int v, const float* bias, float* y, int64_t N) {
-  Vec acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = Vec::zero();
-  for (int64_t k = 0; k < K; ++k) {
-    const Vec w = Vec::load(wb + k * NB + v * Vec::L);
-    for (int m = 0; m < M; ++m) acc[m] = minipd_vec::fmadd(Vec::set1(x[m * K + k]), w, acc[m]);
-  }
-  const Vec b = bias ? Vec::load(bias + v * Vec::L) : Vec::zero();
-  for (int m = 0; m < M; ++m) (acc[m] + b).store(y + m * N + v * Vec::L);
-}
-
-// half_block<M> for the `left` (MB + 1 to M) rows of a pass
-template <int M, typename T, typename W>
-void half_rows(int left, const T* x, int64_t K, const W* wb, int v, const float* bias, T* y, int64_t N) {
-  if constexpr (M > MB) {
-    if (left == M) return half_block<M>(x, K, wb, v, bias, y, N);
-    half_rows<M - 1>(left, x, K, wb, v, bias, y, N);
-  }
-}
-
 // block<M> for the `left` (1 to M) rows that remain
 template <int M, typename T, typename W>
 void rows_left(int left, const T* x, int64_t K, const W* wb, const float* bias, T* y, int64_t N) {
@@ -123,10 +112,6 @@ void blocks(const T* x, int64_t M, int64_t K, const W* w, const float* bias, T* 
     for (int64_t b = b0; b < b1; ++b) {
       const W* wb = w + b * K * NB;
       const float* bb = bias ? bias + b * NB : nullptr;
-      if (m1 - m0 > MB && m1 - m0 <= HALF_ROWS) {  // AVX2: 7-8 rows take the block a vector at a time
-        for (int v = 0; v < NV; ++v) half_rows<HALF_ROWS>(m1 - m0, x + m0 * K, K, wb, v, bb, y + m0 * N + b * NB, N);
-        continue;
-      }
       // the rows in as few groups as MB allows, of even size (each sum's order along k is the same
       // either way): 16 rows on AVX2 as 6 + 5 + 5, not 6 + 6 + 4 (measured faster)
       const int64_t groups = (m1 - m0 + MB - 1) / MB;
