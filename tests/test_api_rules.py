@@ -1080,3 +1080,22 @@ async def test_a_streamed_chat_chunk_without_text_still_has_content_as_openais_d
     assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hello"}, {"content": ""},
                       {"content": " world"}, {}]  # fmt: skip
     assert sent[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_open_files_limit_is_raised_to_its_hard_limit_and_half_is_for_clients(monkeypatch):
+    import resource
+
+    from minipd.server import http_runner
+
+    calls = []
+    for limits, raised in [((1024, 4096), (4096, 4096)), ((1024, resource.RLIM_INFINITY), (65536, resource.RLIM_INFINITY)),
+                           ((20000, 20000), None), ((100000, 200000), None)]:  # fmt: skip
+        calls.clear()
+        monkeypatch.setattr(resource, "getrlimit", lambda _, now=limits: calls and calls[-1] or now)
+        monkeypatch.setattr(resource, "setrlimit", lambda _, value: calls.append(value))
+        got = http_runner.raise_open_files_limit()
+        assert calls == ([raised] if raised else []), (limits, calls)
+        assert got == (raised or limits)[0]
+    assert http_runner.default_max_connections(1024) == 512
+    assert http_runner.default_max_connections(65536) == 10_000
+    assert http_runner.default_max_connections(100) == 64

@@ -104,9 +104,10 @@ def raise_open_files_limit() -> int:
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
+    target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < target:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError):
             pass
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
