@@ -1082,7 +1082,7 @@ async def test_a_streamed_chat_chunk_without_text_still_has_content_as_openais_d
     assert sent[-2]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_the_open_files_limit_is_raised_to_its_hard_limit_and_half_is_for_clients(monkeypatch):
+async def test_the_open_files_limit_is_raised_to_its_hard_limit_and_half_is_for_clients(monkeypatch):
     import resource
 
     from minipd.server import http_runner
