@@ -703,6 +703,33 @@ async def test_past_max_connections_the_longest_open_idle_connections_are_closed
             writer.close()
 
 
+async def test_a_burst_past_max_connections_closes_as_many_idle_connections_as_it_brings():
+    """Defect (a review): a connection closed for the limit was still counted until its task ended,
+    so each of a burst of k new connections closed k idle ones: all 50 for a burst of 10."""
+    async with raw_server(max_connections=20) as port:
+        old = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
+        await asyncio.sleep(0.2)
+        new = await asyncio.gather(*[asyncio.open_connection("127.0.0.1", port) for _ in range(10)])
+        await asyncio.sleep(0.2)
+        closed = [await closed_by_server(reader, 0.3) for reader, _ in old]
+        assert closed == [True] * 10 + [False] * 10, closed
+        assert not any([await closed_by_server(reader, 0.1) for reader, _ in new])
+        status, _, _ = await raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b" 200 " in status
+        for _, writer in old + list(new):
+            writer.close()
+
+
+async def test_a_connection_that_never_sends_a_byte_is_closed_after_the_keep_alive_timeout():
+    """Whatever aiohttp's version: the timer runs from the connection's start, not only after a reply."""
+    async with raw_server(keepalive_timeout=0.5) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        start = time.monotonic()
+        assert await closed_by_server(reader, 3.0)
+        assert 0.4 < time.monotonic() - start < 3.0
+        writer.close()
+
+
 async def test_past_max_connections_with_none_idle_a_request_gets_a_503_saying_so():
     async with raw_server(max_connections=3) as port:
         busy = []

@@ -282,7 +282,11 @@ async def serve(args, configs: list[dict], mode) -> None:
 
     from aiohttp import web
 
-    max_connections = args.max_connections or default_max_connections(raise_open_files_limit())
+    open_files = raise_open_files_limit()
+    max_connections = args.max_connections or default_max_connections(open_files)
+    if max_connections > open_files - 256:
+        log.warning("minipd: --max-connections %d is near the open-files limit (%d): past it, connections fail "
+                    "before the limit can close idle ones", max_connections, open_files)  # fmt: skip
     runner = api.runner(access_log=None, handler_cancellation=True, shutdown_timeout=2.0,
                         keepalive_timeout=args.timeout_keep_alive, max_connections=max_connections)  # fmt: skip
     stop = asyncio.Event()

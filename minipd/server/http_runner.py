@@ -7,6 +7,7 @@ protocol class is the only place to change that answer."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from http import HTTPStatus
 
@@ -40,6 +41,19 @@ class JsonErrorHandler(RequestHandler):
             return self._newest
 
         self._request_factory = remember
+        self.started = False  # its protocol task (start) has run
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # aiohttp before 3.14 ran the keep-alive timer only after a reply: a connection that never sent
+        # a whole request stayed open for good
+        if self._keepalive_timeout and getattr(self, "_keepalive_handle", True) is None:
+            self._next_keepalive_close_time = self._loop.time() + self._keepalive_timeout
+            self._keepalive_handle = self._loop.call_at(self._next_keepalive_close_time, self._process_keepalive)
+
+    async def start(self) -> None:
+        self.started = True
+        await super().start()
 
     def eof_received(self) -> bool | None:
         """The client closed its sending side. While a request's body is still arriving and nothing
@@ -120,9 +134,12 @@ def default_max_connections(open_files_limit: int) -> int:
 
 def waiting_for_a_request(handler: RequestHandler) -> bool:
     """Idle between requests, or a request's head not yet whole (aiohttp's own test for closing a
-    kept-alive connection: its protocol task waits for the next message)."""
+    kept-alive connection: its protocol task waits for the next message); or just accepted, its
+    protocol task not started yet (before Python 3.12 tasks do not start at once)."""
     waiter = getattr(handler, "_waiter", None)
-    return waiter is not None and not waiter.done()
+    if waiter is not None:
+        return not waiter.done()
+    return not getattr(handler, "started", True)
 
 
 class JsonErrorServer(web.Server):
@@ -131,18 +148,34 @@ class JsonErrorServer(web.Server):
     def __call__(self) -> RequestHandler:
         return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
+    def open_connections(self) -> int:
+        """Connections not being closed (one closed for the limit stays in aiohttp's table until its
+        task ends, a few loop turns later)."""
+        closing = self.__dict__.setdefault("closing", set())
+        closing.intersection_update(self._connections)
+        return len(self._connections) - len(closing)
+
+    def crowded(self) -> bool:
+        return self.max_connections is not None and self.open_connections() > self.max_connections
+
     def connection_made(self, handler: RequestHandler, transport) -> None:
         super().connection_made(handler, transport)
-        excess = len(self._connections) - (self.max_connections or len(self._connections))
-        if excess <= 0:
+        if not self.crowded():
             return
-        idle = [h for h in self._connections if h is not handler and waiting_for_a_request(h)]  # oldest first
-        for h in idle[:excess]:
+        excess = self.open_connections() - self.max_connections
+        closing = self.__dict__["closing"]
+        idle = (h for h in self._connections if h is not handler and h not in closing and waiting_for_a_request(h))
+        for h in itertools.islice(idle, excess):  # the oldest first
             h.force_close()
-        if len(idle) < excess:
+            closing.add(h)
+            excess -= 1
+        if excess > 0:
             handler.over_capacity = True
-            log.warning("%d connections open, past --max-connections %d, and none idle: a new one is refused",
-                        len(self._connections), self.max_connections)  # fmt: skip
+            now = self._loop.time()
+            if now - self.__dict__.get("warned_at", -60.0) >= 60.0:
+                self.warned_at = now
+                log.warning("%d connections open, past --max-connections %d, none of them idle: new ones are "
+                            "answered 503 (said once a minute)", self.open_connections(), self.max_connections)  # fmt: skip
 
 
 class ApiRunner(web.AppRunner):
@@ -155,18 +188,18 @@ class ApiRunner(web.AppRunner):
         server = await super()._make_server()
         server.__class__ = JsonErrorServer  # the app's own Server, only its protocol class changed
         server.max_connections = self.max_connections
-        server.request_handler = _http_exceptions_as_json(server.request_handler, self.max_connections)
+        server.request_handler = _http_exceptions_as_json(server.request_handler, server)
         return server
 
 
-def _http_exceptions_as_json(handle, max_connections: int | None):
+def _http_exceptions_as_json(handle, server: JsonErrorServer):
     """What aiohttp raises before the app's middlewares run (its Expect handler's 417) in JSON too;
-    and a request on a connection opened past max_connections gets a 503."""
+    and a request on a connection opened past max_connections gets a 503 while that still holds."""
 
     async def answer(request):
-        if getattr(request.protocol, "over_capacity", False):
-            err = ApiError(f"the server has {max_connections} connections open (its --max-connections) and none "
-                           "idle; try again shortly", 503, type_="server_error", code="too_many_connections")  # fmt: skip
+        if getattr(request.protocol, "over_capacity", False) and server.crowded():
+            err = ApiError(f"the server has {server.max_connections} connections open (its --max-connections) and "
+                           "none idle; try again shortly", 503, type_="server_error", code="too_many_connections")  # fmt: skip
             resp = web.json_response(err.body(), status=503, headers={"Retry-After": "1"})
             resp.force_close()
             return resp
