@@ -143,39 +143,39 @@ def waiting_for_a_request(handler: RequestHandler) -> bool:
 
 
 class JsonErrorServer(web.Server):
-    max_connections: int | None = None
+    # set by ApiRunner._make_server (the class is swapped in on aiohttp's Server, whose __init__ ran)
+    max_connections: int | None
+    closing: set  # closed for the limit, still in aiohttp's table until their tasks end
+    warned_at: float
 
     def __call__(self) -> RequestHandler:
         return JsonErrorHandler(self, loop=self._loop, **self._kwargs)
 
-    def open_connections(self) -> int:
-        """Connections not being closed (one closed for the limit stays in aiohttp's table until its
-        task ends, a few loop turns later)."""
-        closing = self.__dict__.setdefault("closing", set())
-        closing.intersection_update(self._connections)
-        return len(self._connections) - len(closing)
-
-    def crowded(self) -> bool:
-        return self.max_connections is not None and self.open_connections() > self.max_connections
+    def excess_connections(self) -> int:
+        """Open connections past max_connections, not counting those being closed."""
+        if self.max_connections is None:
+            return 0
+        self.closing.intersection_update(self._connections)
+        return len(self._connections) - len(self.closing) - self.max_connections
 
     def connection_made(self, handler: RequestHandler, transport) -> None:
         super().connection_made(handler, transport)
-        if not self.crowded():
+        excess = self.excess_connections()
+        if excess <= 0:
             return
-        excess = self.open_connections() - self.max_connections
-        closing = self.__dict__["closing"]
-        idle = (h for h in self._connections if h is not handler and h not in closing and waiting_for_a_request(h))
+        idle = (h for h in self._connections
+                if h is not handler and h not in self.closing and waiting_for_a_request(h))  # fmt: skip
         for h in itertools.islice(idle, excess):  # the oldest first
             h.force_close()
-            closing.add(h)
+            self.closing.add(h)
             excess -= 1
         if excess > 0:
             handler.over_capacity = True
             now = self._loop.time()
-            if now - self.__dict__.get("warned_at", -60.0) >= 60.0:
+            if now - self.warned_at >= 60.0:
                 self.warned_at = now
                 log.warning("%d connections open, past --max-connections %d, none of them idle: new ones are "
-                            "answered 503 (said once a minute)", self.open_connections(), self.max_connections)  # fmt: skip
+                            "answered 503 (said once a minute)", self.max_connections + excess, self.max_connections)  # fmt: skip
 
 
 class ApiRunner(web.AppRunner):
@@ -187,7 +187,7 @@ class ApiRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer  # the app's own Server, only its protocol class changed
-        server.max_connections = self.max_connections
+        server.max_connections, server.closing, server.warned_at = self.max_connections, set(), float("-inf")
         server.request_handler = _http_exceptions_as_json(server.request_handler, server)
         return server
 
@@ -197,7 +197,7 @@ def _http_exceptions_as_json(handle, server: JsonErrorServer):
     and a request on a connection opened past max_connections gets a 503 while that still holds."""
 
     async def answer(request):
-        if getattr(request.protocol, "over_capacity", False) and server.crowded():
+        if getattr(request.protocol, "over_capacity", False) and server.excess_connections() > 0:
             err = ApiError(f"the server has {server.max_connections} connections open (its --max-connections) and "
                            "none idle; try again shortly", 503, type_="server_error", code="too_many_connections")  # fmt: skip
             resp = web.json_response(err.body(), status=503, headers={"Retry-After": "1"})
