@@ -1126,3 +1126,73 @@ async def test_the_open_files_limit_is_raised_to_its_hard_limit_and_half_is_for_
     assert http_runner.default_max_connections(1024) == 512
     assert http_runner.default_max_connections(65536) == 10_000
     assert http_runner.default_max_connections(100) == 64
+
+
+async def _firehose_server(send_timeout: float | None):
+    """A runner `serve` uses, on an app whose one route writes without end (as a long reply does);
+    the future says how the route ended."""
+    from minipd.server.http_runner import ApiRunner
+
+    ended: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def firehose(request):
+        resp = aiohttp.web.StreamResponse()
+        await resp.prepare(request)
+        try:
+            while True:
+                await resp.write(b"data: " + b"x" * 16384 + b"\n\n")
+        except ConnectionError as exc:
+            ended.set_result(exc)
+            raise
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/firehose", firehose)
+    runner = ApiRunner(app, **({} if send_timeout is None else {"send_timeout": send_timeout}))
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, runner.addresses[0][1], ended
+
+
+async def test_a_client_that_stops_reading_its_reply_is_cut_off_after_the_send_timeout():
+    """Defect (a hostile-client helper): a streaming client that stopped reading kept its connection,
+    and the reply's chunks piling up behind it in the server, for good (after 20 minutes 2.8 MB still
+    sat in its socket and the request in the server). Now a connection whose reply has not moved for
+    send_timeout (--send-timeout) is closed, which ends the reply (and frees its request)."""
+    import socket
+
+    runner, port, ended = await _firehose_server(send_timeout=0.5)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"GET /firehose HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        start = time.monotonic()
+        assert isinstance(await asyncio.wait_for(ended, 5), ConnectionResetError)  # it never read a byte
+        assert 0.4 < time.monotonic() - start < 4
+    finally:
+        sock.close()
+        await runner.cleanup()
+
+
+async def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off():
+    """The send timeout is on a reply that stops moving, not on a slow one."""
+    runner, port, ended = await _firehose_server(send_timeout=1.0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2**20)
+    try:
+        writer.write(b"GET /firehose HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await writer.drain()
+        got = 0
+        for _ in range(30):  # 3 s, reading a MB every 0.1 s: slower than the server writes
+            got += len(await asyncio.wait_for(reader.read(2**20), 2))
+            await asyncio.sleep(0.1)
+        assert not ended.done() and got > 0
+    finally:
+        writer.close()
+        await runner.cleanup()
+
+
+async def test_serve_has_a_send_timeout_of_a_minute_by_default():
+    from minipd.__main__ import build_parser
+
+    assert build_parser().parse_args(["serve"]).send_timeout == 60.0

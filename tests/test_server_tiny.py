@@ -747,3 +747,44 @@ def test_silent_and_half_sent_connections_cannot_lock_clients_out():
             pass
         assert 1.5 < time.monotonic() - t < 6
         half.close()
+
+
+def test_clients_that_stop_reading_their_streams_cannot_lock_others_out():
+    """Defect (a hostile-client helper): 8 streaming clients that never read (20 logprobs a token, a
+    4 KB receive buffer) held their connections for good, so past --max-connections 8 every other
+    client got a 503 for as long as they stayed (210 s and more). Now --send-timeout closes a
+    connection whose reply has not moved for that long, and its request ends."""
+    import socket
+
+    with serving("--model", "tiny-random", "--workers", "1", "--threads-per-worker", "1",
+                 "--max-connections", "8", "--send-timeout", "2") as server:  # fmt: skip
+        body = json.dumps({"prompt": [5 + i % 200 for i in range(1000)], "max_tokens": 3000, "stream": True,
+                           "logprobs": 20, "echo": True, "ignore_eos": True}).encode()  # a MB at once: the echo's  # fmt: skip
+        stalled = []
+        for _ in range(8):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", server.port))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+            stalled.append(s)
+        try:
+            deadline = time.monotonic() + 60
+            while True:  # their replies stop moving once the sockets fill; 2 s later they are closed
+                status, answer = server.get("/v1/models")
+                if status == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert status == 200, answer
+
+            def running() -> list[str]:
+                text = server.get("/metrics")[1]
+                return [line for line in text.splitlines() if line.startswith("minipd:num_requests_running")]
+
+            while any(not line.endswith(" 0.0") for line in running()) and time.monotonic() < deadline:
+                time.sleep(0.5)  # their requests ended with their connections, long before 3,000 tokens
+            assert running() and all(line.endswith(" 0.0") for line in running()), running()
+            assert "--send-timeout" in server.output()
+        finally:
+            for s in stalled:
+                s.close()

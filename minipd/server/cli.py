@@ -49,6 +49,10 @@ def add_serve_parser(sub, add_engine_args) -> None:
     g.add_argument("--timeout-keep-alive", type=positive_float, default=75.0,
                    help="seconds a connection may wait for its next request, or for the rest of a request's "
                         "headers, before it is closed")
+    g.add_argument("--send-timeout", type=positive_float, default=60.0,
+                   help="seconds a reply may wait for its client to read any of it (the socket's buffers full); "
+                        "past it the connection is closed and the request ends, freeing its KV (nginx's "
+                        "send_timeout)")
     g.add_argument("--max-connections", type=positive_int, default=None,
                    help="open client connections at most; past it the oldest connection waiting for a request is "
                         "closed, or (none idle) the new one's request gets a 503 (default: half the open-files "
@@ -288,7 +292,8 @@ async def serve(args, configs: list[dict], mode) -> None:
         log.warning("minipd: --max-connections %d is near the open-files limit (%d): past it, connections fail "
                     "before the limit can close idle ones", max_connections, open_files)  # fmt: skip
     runner = api.runner(access_log=None, handler_cancellation=True, shutdown_timeout=2.0,
-                        keepalive_timeout=args.timeout_keep_alive, max_connections=max_connections)  # fmt: skip
+                        keepalive_timeout=args.timeout_keep_alive, max_connections=max_connections,
+                        send_timeout=args.send_timeout)  # fmt: skip
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = []

@@ -21,6 +21,9 @@ log = logging.getLogger("minipd.api")
 # a connection waiting for a request (idle, or its request's head not yet whole) this long is closed:
 # nginx's keepalive_timeout; aiohttp 3.14's own default is 3,630 s
 KEEPALIVE_TIMEOUT_S = 75.0
+# a connection whose reply has not moved this long (the client reads none of it) is closed, which ends
+# the reply and frees its request: nginx's send_timeout
+SEND_TIMEOUT_S = 60.0
 SUPPORTED_ENCODINGS = "send it plain (identity), gzip or deflate"
 MAX_MESSAGE_CHARS = 300  # the parser's message can quote what the client sent
 
@@ -42,6 +45,7 @@ class JsonErrorHandler(RequestHandler):
 
         self._request_factory = remember
         self.started = False  # its protocol task (start) has run
+        self._stalled = None  # the timer that runs while writing is paused (the client reads nothing)
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -54,6 +58,36 @@ class JsonErrorHandler(RequestHandler):
     async def start(self) -> None:
         self.started = True
         await super().start()
+
+    def pause_writing(self) -> None:
+        """The socket's buffers are full: the client has stopped reading, or reads slower than the
+        reply is written. Unless it reads again (resume_writing) within the server's send_timeout,
+        the connection is dropped, so that a client that reads nothing cannot keep its reply (and
+        what piles up behind it) in the server for good."""
+        super().pause_writing()
+        timeout = getattr(self._manager, "send_timeout", None)
+        if timeout and self._stalled is None:
+            self._stalled = self._loop.call_later(timeout, self._send_stalled, timeout)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+
+    def connection_lost(self, exc) -> None:
+        if self._stalled is not None:
+            self._stalled.cancel()
+            self._stalled = None
+        super().connection_lost(exc)
+
+    def _send_stalled(self, timeout: float) -> None:
+        self._stalled = None
+        if self.transport is not None:
+            peer = self.transport.get_extra_info("peername")
+            log.info("closed the connection of %s: it read nothing of its reply for %g s (--send-timeout)",
+                     peer[0] if peer else "a client", timeout)  # fmt: skip
+            self.transport.abort()  # the reply's pending write fails with ConnectionResetError
 
     def eof_received(self) -> bool | None:
         """The client closed its sending side. While a request's body is still arriving and nothing
@@ -145,6 +179,7 @@ def waiting_for_a_request(handler: RequestHandler) -> bool:
 class JsonErrorServer(web.Server):
     # set by ApiRunner._make_server (the class is swapped in on aiohttp's Server, whose __init__ ran)
     max_connections: int | None
+    send_timeout: float | None
     closing: set  # closed for the limit, still in aiohttp's table until their tasks end
     warned_at: float
 
@@ -179,15 +214,17 @@ class JsonErrorServer(web.Server):
 
 
 class ApiRunner(web.AppRunner):
-    def __init__(self, app: web.Application, max_connections: int | None = None, **kwargs) -> None:
+    def __init__(self, app: web.Application, max_connections: int | None = None,
+                 send_timeout: float | None = SEND_TIMEOUT_S, **kwargs) -> None:  # fmt: skip
         kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT_S)
         super().__init__(app, **kwargs)
-        self.max_connections = max_connections
+        self.max_connections, self.send_timeout = max_connections, send_timeout
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer  # the app's own Server, only its protocol class changed
         server.max_connections, server.closing, server.warned_at = self.max_connections, set(), float("-inf")
+        server.send_timeout = self.send_timeout
         server.request_handler = _http_exceptions_as_json(server.request_handler, server)
         return server
 
