@@ -1196,3 +1196,21 @@ async def test_serve_has_a_send_timeout_of_a_minute_by_default():
     from minipd.__main__ import build_parser
 
     assert build_parser().parse_args(["serve"]).send_timeout == 60.0
+
+
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 20}, {"echo": True, "logprobs": 20}], ids=["prompt_logprobs", "echo"])
+async def test_a_reply_of_millions_of_prompt_logprobs_is_refused_before_any_work(extra):
+    """Defect (a hostile-client helper): 1,500 prompt tokens, n = 64 and 20 prompt logprobs made one
+    reply of 230 MB; building it held the event loop 13 s (every stream and /health waited) and the
+    server's memory grew by 600 MB. A reply's prompt logprobs (choices x prompt tokens x (k + 1))
+    are now bounded; one choice of a whole context with 20 still passes."""
+    from minipd.server.protocol import MAX_PROMPT_LOGPROB_ENTRIES
+
+    async with api_client(max_model_len=8192) as client:
+        body = {"model": "tiny", "prompt": [5] * 1500, "n": 64, "max_tokens": 1, **extra}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 400
+        error = await error_of(resp)
+        assert error["param"] in ("n", "prompt_logprobs", "logprobs") and "64" in error["message"], error
+        assert f"{MAX_PROMPT_LOGPROB_ENTRIES:,}" in error["message"], error
+        assert MAX_PROMPT_LOGPROB_ENTRIES >= 8191 * 21  # a whole context's, with 20 alternatives a token

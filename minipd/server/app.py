@@ -284,6 +284,7 @@ class Api:
         longest = max(map(len, prompts))
         params = p.sampling_params(body, default, self.max_model_len, longest, prompt_param, vocab or p.INT64, chat)
         num = p.num_choices(body, len(prompts))
+        p.check_prompt_logprobs_size(params, num, sum(map(len, prompts)), chat)
         token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         total = num * len(prompts)

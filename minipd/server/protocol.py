@@ -24,6 +24,9 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_CHOICES = 64
+# prompt logprobs in one reply (choices x prompt tokens x (k + 1)): a whole 8,192-token context with 20
+# alternatives a token fits; 2 million made a 230 MB reply whose building held the event loop 13 s
+MAX_PROMPT_LOGPROB_ENTRIES = 200_000
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
 # how the chat template is applied: only its default (a generation prompt after the messages)
@@ -161,6 +164,19 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
             raise ApiError("'logit_bias' values must be numbers in [-100, 100]", param="logit_bias")
         out[int(key)] = value
     return out or None
+
+
+def check_prompt_logprobs_size(params: SamplingParams, num: int, prompt_tokens: int, chat: bool) -> None:
+    """Refuse a reply whose prompt logprobs would be too many to build (MAX_PROMPT_LOGPROB_ENTRIES)."""
+    if params.prompt_logprobs is None:
+        return
+    entries = num * prompt_tokens * (params.prompt_logprobs + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        what = "echo with logprobs" if params.prompt_logprobs == params.logprobs and not chat else "prompt_logprobs"
+        raise ApiError(f"this reply would carry {entries:,} prompt logprobs ({num} choices x {prompt_tokens:,} prompt "
+                       f"tokens x {params.prompt_logprobs + 1}, from {what}); at most {MAX_PROMPT_LOGPROB_ENTRIES:,} "
+                       "in one request: ask for fewer choices or alternatives, or send the choices apart",
+                       param="n" if num > 1 else "prompt_logprobs")  # fmt: skip
 
 
 def num_choices(body: dict, num_prompts: int = 1) -> int:
