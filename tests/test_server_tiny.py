@@ -280,6 +280,7 @@ async def test_overload_gets_429_and_the_rest_complete():
                                                       temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
                 return out.usage.completion_tokens
             except openai.RateLimitError as err:
+                assert err.code == "rate_limit_exceeded", err.body  # OpenAI's code (was null)
                 return err.status_code
 
         try:

@@ -87,7 +87,7 @@ class Router:
             raise Unavailable("no worker is alive" + (f": {causes}" if causes else ""), code="no_worker")
         lim = self.limits
         if len(self.requests) >= lim.max_running_per_worker * len(serving) + lim.max_waiting:
-            raise Overloaded("the server is overloaded; try again later")
+            raise Overloaded("the server is overloaded; try again later", code="rate_limit_exceeded")
         stream = TextStream.of(self.tokenizer, params) if self.tokenizer else None
         state = RequestState(request_id, prompt_token_ids, params, stream)
         state.deadline = time.monotonic() + lim.request_timeout
