@@ -1214,3 +1214,18 @@ async def test_a_reply_of_millions_of_prompt_logprobs_is_refused_before_any_work
         assert error["param"] in ("n", "prompt_logprobs", "logprobs") and "64" in error["message"], error
         assert f"{MAX_PROMPT_LOGPROB_ENTRIES:,}" in error["message"], error
         assert MAX_PROMPT_LOGPROB_ENTRIES >= 8191 * 21  # a whole context's, with 20 alternatives a token
+
+
+async def test_detokenize_is_bounded_so_a_small_body_cannot_make_a_huge_reply(tokenizer):
+    """Defect (a hostile-client helper): 1.39 million copies of an 81-byte token in an 8.3 MB body made
+    a 114 MB reply and held /health 1.8 s. /detokenize takes at most MAX_DETOKENIZE_TOKENS ids (16
+    contexts of the default model's)."""
+    from minipd.server.app import MAX_DETOKENIZE_TOKENS
+
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/detokenize", json={"tokens": [5] * (MAX_DETOKENIZE_TOKENS + 1)})
+        assert resp.status == 400
+        error = await error_of(resp)
+        assert error["param"] == "tokens" and f"{MAX_DETOKENIZE_TOKENS:,}" in error["message"], error
+        resp = await client.post("/detokenize", json={"tokens": [5] * MAX_DETOKENIZE_TOKENS})
+        assert resp.status == 200

@@ -41,6 +41,7 @@ CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
 MAX_BODY_LIMIT = 16 * 2**20
+MAX_DETOKENIZE_TOKENS = 131_072  # 16 contexts of the default model; a reply of 10 MB at most (81-byte tokens)
 BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}  # as vLLM's
@@ -253,6 +254,9 @@ class Api:
         body = await self._body(request)
         self._check_model(body)
         tokens, vocab = body.get("tokens"), len(self._tokenizer())
+        if isinstance(tokens, list) and len(tokens) > MAX_DETOKENIZE_TOKENS:
+            raise ApiError(f"'tokens' has {len(tokens):,} ids; at most {MAX_DETOKENIZE_TOKENS:,} in one request",
+                           param="tokens")  # fmt: skip
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
             raise ApiError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         skip = p.flag(body, "skip_special_tokens", False)
