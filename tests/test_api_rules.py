@@ -263,6 +263,10 @@ async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     ({"truncate_prompt_tokens": 1.5}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2049}, "truncate_prompt_tokens"), ({"truncate_prompt_tokens": 2**70}, "truncate_prompt_tokens"),
     ({"cache_salt": ""}, "cache_salt"), ({"cache_salt": 5}, "cache_salt"),
     ({"model": 5}, "model"), ({"model": ["tiny"]}, "model"),  # was a 404 model_not_found (defect)
+    # taken and ignored (a hostile-client helper): vLLM's detokenize off (the reply's text came anyway), and
+    # OpenAI's reasoning_effort, which OpenAI itself refuses for a model that does not reason
+    ({"detokenize": False}, "detokenize"), ({"detokenize": "no"}, "detokenize"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
 ])  # fmt: skip
 async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
     async with api_client(tokenizer) as client:

@@ -36,11 +36,11 @@ UNSUPPORTED = ("suffix", "tools", "functions", "function_call",
                "guided_grammar", "structured_outputs", "allowed_token_ids", "bad_words", "audio",
                "prediction", "web_search_options", *CHAT_TEMPLATE_FIELDS[:3], "documents", "mm_processor_kwargs",
                "logits_processors", "prompt_embeds",
-               "kv_transfer_params", "vllm_xargs", "request_id")  # fmt: skip
+               "kv_transfer_params", "vllm_xargs", "request_id", "reasoning_effort")  # fmt: skip
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "add_generation_prompt": (True,),
             "modalities": (["text"], []),
             "spaces_between_special_tokens": (True,), "length_penalty": (1.0, 1), "early_stopping": (False,),
-            "priority": (0,)}  # fmt: skip
+            "priority": (0,), "detokenize": (True,)}  # fmt: skip
 
 
 def refuse_unsupported(body: dict) -> None:
