@@ -1233,3 +1233,15 @@ async def test_detokenize_is_bounded_so_a_small_body_cannot_make_a_huge_reply(to
         assert error["param"] == "tokens" and f"{MAX_DETOKENIZE_TOKENS:,}" in error["message"], error
         resp = await client.post("/detokenize", json={"tokens": [5] * MAX_DETOKENIZE_TOKENS})
         assert resp.status == 200
+
+
+async def test_a_request_target_in_absolute_form_is_host_checked_too():
+    """Defect (a hostile-client helper): `GET http://evil.com/v1/models` with `Host: localhost` was
+    answered: the Host check read the header, while aiohttp (as RFC 9112 asks) takes the authority
+    of an absolute-form target, so the request was served as evil.com's."""
+    async with raw_server() as port:
+        status, _, body = await raw_exchange(port, b"GET http://evil.com/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert b" 403 " in status or b" 421 " in status or b" 400 " in status, (status, body)
+        assert json.loads(body)["error"]["code"] == "host_not_allowed", body
+        status, _, body = await raw_exchange(port, b"GET http://127.0.0.1/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert b" 200 " in status, (status, body)

@@ -96,6 +96,8 @@ def guard_browsers(guard: BrowserGuard):
                 return json_error(ApiError(f"the {name} header was sent more than once", 400, code="duplicate_header"))
         host = request.headers.get("Host")
         why = guard.host_refusal(host)
+        if not why and host is not None and request.host != host:  # an absolute-form target: its authority is
+            why = guard.host_refusal(request.host)  # the host served (RFC 9112), and aiohttp's request.host
         if why:
             return refuse(why, "host_not_allowed")
         origin = request.headers.get("Origin")
