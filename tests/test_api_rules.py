@@ -1245,3 +1245,38 @@ async def test_a_request_target_in_absolute_form_is_host_checked_too():
         assert json.loads(body)["error"]["code"] == "host_not_allowed", body
         status, _, body = await raw_exchange(port, b"GET http://127.0.0.1/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert b" 200 " in status, (status, body)
+
+
+async def test_one_large_reply_read_steadily_for_longer_than_the_send_timeout_arrives_whole():
+    """From a review: asyncio resumes writing only once the buffer is nearly empty, so a timer on the
+    paused time alone cut off a 16 MiB reply (one write) read at 6 MB/s after 1 s. The send timeout
+    now asks whether any of the reply left in the last send_timeout."""
+    from minipd.server.http_runner import ApiRunner
+
+    body = b"x" * (16 * 2**20)
+
+    async def large(request):
+        return aiohttp.web.Response(body=body)
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/large", large)
+    runner = ApiRunner(app, send_timeout=0.5)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1], limit=2**16)
+    try:
+        writer.write(b"GET /large HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert b" 200 " in head
+        got, start = 0, time.monotonic()
+        while got < len(body):  # about 3 s at 64 KiB every 10 ms: six send timeouts
+            chunk = await asyncio.wait_for(reader.read(65536), 2)
+            assert chunk, f"cut off after {got:,} bytes and {time.monotonic() - start:.1f} s"
+            got += len(chunk)
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - start > 1.0  # it took longer than the timeout
+    finally:
+        writer.close()
+        await runner.cleanup()

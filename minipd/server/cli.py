@@ -51,8 +51,8 @@ def add_serve_parser(sub, add_engine_args) -> None:
                         "headers, before it is closed")
     g.add_argument("--send-timeout", type=positive_float, default=60.0,
                    help="seconds a reply may wait for its client to read any of it (the socket's buffers full); "
-                        "past it the connection is closed and the request ends, freeing its KV (nginx's "
-                        "send_timeout)")
+                        "past it the connection is closed and the request ends, freeing its KV (a slow reader "
+                        "that keeps reading goes on)")
     g.add_argument("--max-connections", type=positive_int, default=None,
                    help="open client connections at most; past it the oldest connection waiting for a request is "
                         "closed, or (none idle) the new one's request gets a 503 (default: half the open-files "

@@ -22,7 +22,7 @@ log = logging.getLogger("minipd.api")
 # nginx's keepalive_timeout; aiohttp 3.14's own default is 3,630 s
 KEEPALIVE_TIMEOUT_S = 75.0
 # a connection whose reply has not moved this long (the client reads none of it) is closed, which ends
-# the reply and frees its request: nginx's send_timeout
+# the reply and frees its request (nginx's send_timeout is the same idea, timed between two writes)
 SEND_TIMEOUT_S = 60.0
 SUPPORTED_ENCODINGS = "send it plain (identity), gzip or deflate"
 MAX_MESSAGE_CHARS = 300  # the parser's message can quote what the client sent
@@ -61,33 +61,40 @@ class JsonErrorHandler(RequestHandler):
 
     def pause_writing(self) -> None:
         """The socket's buffers are full: the client has stopped reading, or reads slower than the
-        reply is written. Unless it reads again (resume_writing) within the server's send_timeout,
-        the connection is dropped, so that a client that reads nothing cannot keep its reply (and
-        what piles up behind it) in the server for good."""
+        reply is written. While writing is paused the buffered bytes are looked at every
+        send_timeout: if none of them left in that time (the client read nothing), the connection is
+        dropped, so that a client that reads nothing cannot keep its reply (and what piles up behind
+        it) in the server for good. A large reply read slowly but steadily goes on."""
         super().pause_writing()
         timeout = getattr(self._manager, "send_timeout", None)
-        if timeout and self._stalled is None:
-            self._stalled = self._loop.call_later(timeout, self._send_stalled, timeout)
+        if timeout and self._stalled is None and self.transport is not None:
+            self._stalled = self._loop.call_later(timeout, self._check_sent, timeout, self.transport.get_write_buffer_size())
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        if self._stalled is not None:
-            self._stalled.cancel()
-            self._stalled = None
+        self._stop_send_timer()
 
     def connection_lost(self, exc) -> None:
+        self._stop_send_timer()
+        super().connection_lost(exc)
+
+    def _stop_send_timer(self) -> None:
         if self._stalled is not None:
             self._stalled.cancel()
             self._stalled = None
-        super().connection_lost(exc)
 
-    def _send_stalled(self, timeout: float) -> None:
+    def _check_sent(self, timeout: float, buffered: int) -> None:
         self._stalled = None
-        if self.transport is not None:
-            peer = self.transport.get_extra_info("peername")
-            log.info("closed the connection of %s: it read nothing of its reply for %g s (--send-timeout)",
-                     peer[0] if peer else "a client", timeout)  # fmt: skip
-            self.transport.abort()  # the reply's pending write fails with ConnectionResetError
+        if self.transport is None or not self.writing_paused:
+            return
+        now = self.transport.get_write_buffer_size()
+        if now < buffered:  # the client read some of it: look again a send_timeout from now
+            self._stalled = self._loop.call_later(timeout, self._check_sent, timeout, now)
+            return
+        peer = self.transport.get_extra_info("peername")
+        log.info("closed the connection of %s: it read nothing of its reply for %g s (--send-timeout)",
+                 peer[0] if peer else "a client", timeout)  # fmt: skip
+        self.transport.abort()  # the handler is cancelled (handler_cancellation) or its next write fails
 
     def eof_received(self) -> bool | None:
         """The client closed its sending side. While a request's body is still arriving and nothing
