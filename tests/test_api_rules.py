@@ -1217,7 +1217,27 @@ async def test_a_reply_of_millions_of_prompt_logprobs_is_refused_before_any_work
         error = await error_of(resp)
         assert error["param"] in ("n", "prompt_logprobs", "logprobs") and "64" in error["message"], error
         assert f"{MAX_PROMPT_LOGPROB_ENTRIES:,}" in error["message"], error
-        assert MAX_PROMPT_LOGPROB_ENTRIES >= 8191 * 21  # a whole context's, with 20 alternatives a token
+        assert MAX_PROMPT_LOGPROB_ENTRIES >= 2 * 8191 * 21  # a whole context's, echoed, with 20 alternatives
+
+
+async def test_the_prompt_logprobs_bound_counts_what_the_reply_carries_and_names_the_remedy(tokenizer):
+    """From a review: a batch of prompts was told to ask for fewer choices (it had one), a chat reply
+    not streamed (prompt_logprobs once) was counted once per choice, and echo with logprobs (which
+    carries each prompt token twice) once. Requests that pass the bound get past it (here a 503: no
+    worker)."""
+    async with api_client(tokenizer, max_model_len=8192) as client:
+        lm_eval = {"model": "tiny", "prompt": [[5] * 2000] * 64, "echo": True, "logprobs": 1, "max_tokens": 1}
+        resp = await client.post("/v1/completions", json=lm_eval)  # 64 x 2,000 x 2 x 2 = 512,000
+        error = await error_of(resp)
+        assert resp.status == 400 and error["param"] == "prompt" and "64 prompts" in error["message"], error
+        assert "fewer prompts" in error["message"] and "twice" in error["message"], error
+        lm_eval["prompt"] = [[5] * 2000] * 32  # half the batch passes
+        assert (await client.post("/v1/completions", json=lm_eval)).status == 503
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 1000}], "n": 32, "prompt_logprobs": 20}
+        resp = await client.post("/v1/chat/completions", json=chat)  # once: 1,000 x 21, not 32 times that
+        assert resp.status == 503, await resp.text()
+        one_context = {"model": "tiny", "prompt": [5] * 8000, "echo": True, "logprobs": 20, "max_tokens": 1}
+        assert (await client.post("/v1/completions", json=one_context)).status == 503
 
 
 async def test_detokenize_is_bounded_so_a_small_body_cannot_make_a_huge_reply(tokenizer):
@@ -1243,7 +1263,10 @@ async def test_a_request_target_in_absolute_form_is_host_checked_too():
         status, _, body = await raw_exchange(port, b"GET http://evil.com/v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert b" 403 " in status or b" 421 " in status or b" 400 " in status, (status, body)
         assert json.loads(body)["error"]["code"] == "host_not_allowed", body
-        status, _, body = await raw_exchange(port, b"GET http://127.0.0.1/v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        status, _, body = await raw_exchange(port, b"GET http://evil.com/v1/models HTTP/1.0\r\n\r\n")  # no Host
+        assert json.loads(body)["error"]["code"] == "host_not_allowed", (status, body)
+        ok = b"GET http://127.0.0.1:%d/v1/models HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n" % (port, port)
+        status, _, body = await raw_exchange(port, ok)
         assert b" 200 " in status, (status, body)
 
 

@@ -41,7 +41,7 @@ CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
 MAX_BODY_LIMIT = 16 * 2**20
-MAX_DETOKENIZE_TOKENS = 131_072  # 16 contexts of the default model; a reply of 10 MB at most (81-byte tokens)
+MAX_DETOKENIZE_TOKENS = 131_072  # 16 contexts of the default model (1.4 million made a 114 MB reply)
 BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}  # as vLLM's
@@ -96,8 +96,8 @@ def guard_browsers(guard: BrowserGuard):
                 return json_error(ApiError(f"the {name} header was sent more than once", 400, code="duplicate_header"))
         host = request.headers.get("Host")
         why = guard.host_refusal(host)
-        if not why and host is not None and request.host != host:  # an absolute-form target: its authority is
-            why = guard.host_refusal(request.host)  # the host served (RFC 9112), and aiohttp's request.host
+        if not why and not request.raw_path.startswith("/"):  # absolute-form: its authority is the host served
+            why = guard.host_refusal(request.url.raw_authority or "")  # (RFC 9112), aiohttp's request.host too
         if why:
             return refuse(why, "host_not_allowed")
         origin = request.headers.get("Origin")
@@ -290,7 +290,8 @@ class Api:
         longest = max(map(len, prompts))
         params = p.sampling_params(body, default, self.max_model_len, longest, prompt_param, vocab or p.INT64, chat)
         num = p.num_choices(body, len(prompts))
-        p.check_prompt_logprobs_size(params, num, sum(map(len, prompts)), chat)
+        p.check_prompt_logprobs_size(params, prompts, num, chat, opts.stream, any(e is not None for e in echoes),
+                                     self.max_model_len)  # fmt: skip
         token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         total = num * len(prompts)

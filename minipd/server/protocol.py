@@ -24,9 +24,10 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
 MAX_CHOICES = 64
-# prompt logprobs in one reply (choices x prompt tokens x (k + 1)): a whole 8,192-token context with 20
-# alternatives a token fits; 2 million made a 230 MB reply whose building held the event loop 13 s
-MAX_PROMPT_LOGPROB_ENTRIES = 200_000
+# prompt logprobs in one reply (copies x prompt tokens x (k + 1)), or two whole contexts with 20
+# alternatives a token if the model's contexts are longer: 2 million made a 230 MB reply whose building
+# held the event loop 13 s (500,000 take about 3 s)
+MAX_PROMPT_LOGPROB_ENTRIES = 500_000
 INT64 = 2**63
 # fields of OpenAI's (or vLLM's) API that this server cannot honour: refused when set, never ignored
 # how the chat template is applied: only its default (a generation prompt after the messages)
@@ -166,17 +167,28 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return out or None
 
 
-def check_prompt_logprobs_size(params: SamplingParams, num: int, prompt_tokens: int, chat: bool) -> None:
-    """Refuse a reply whose prompt logprobs would be too many to build (MAX_PROMPT_LOGPROB_ENTRIES)."""
+def check_prompt_logprobs_size(params: SamplingParams, prompts: list[list[int]], num: int, chat: bool,
+                               stream: bool, echo: bool, max_model_len: int) -> None:  # fmt: skip
+    """Refuse a reply whose prompt logprobs would be too many to build: each prompt's, in each of its
+    choices (a chat reply that is not streamed carries them once), twice with completions' echo and
+    logprobs (in the echoed logprobs and in prompt_logprobs)."""
     if params.prompt_logprobs is None:
         return
-    entries = num * prompt_tokens * (params.prompt_logprobs + 1)
-    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
-        what = "echo with logprobs" if params.prompt_logprobs == params.logprobs and not chat else "prompt_logprobs"
-        raise ApiError(f"this reply would carry {entries:,} prompt logprobs ({num} choices x {prompt_tokens:,} prompt "
-                       f"tokens x {params.prompt_logprobs + 1}, from {what}); at most {MAX_PROMPT_LOGPROB_ENTRIES:,} "
-                       "in one request: ask for fewer choices or alternatives, or send the choices apart",
-                       param="n" if num > 1 else "prompt_logprobs")  # fmt: skip
+    k = params.prompt_logprobs + 1
+    copies = 1 if chat and not stream else num
+    scored = echo and params.logprobs is not None and not chat
+    tokens = sum(map(len, prompts))
+    entries = copies * tokens * k * (2 if scored else 1)
+    cap = max(MAX_PROMPT_LOGPROB_ENTRIES, 2 * max_model_len * (MAX_LOGPROBS + 1))
+    if entries <= cap:
+        return
+    parts = ([f"{len(prompts)} prompts of {tokens:,} tokens in all"] if len(prompts) > 1 else [f"{tokens:,} prompt tokens"])
+    parts += [f"{copies} choices each" if copies > 1 else None, f"{k} logprobs a token",
+              "twice: echo with logprobs also fills prompt_logprobs" if scored else None]  # fmt: skip
+    param = "prompt" if len(prompts) > 1 else "n" if copies > 1 else "logprobs" if scored else "prompt_logprobs"
+    raise ApiError(f"this reply would carry {entries:,} prompt logprobs ({', '.join(filter(None, parts))}); at most "
+                   f"{cap:,} in one request: send fewer prompts or choices per request, or ask for fewer "
+                   "alternatives", param=param)  # fmt: skip
 
 
 def num_choices(body: dict, num_prompts: int = 1) -> int:
