@@ -200,8 +200,13 @@ def test_a_worker_restarted_for_a_new_setting_costs_nobody_their_reply(how):
             status, outcome = answer
             assert status == 200 and outcome["moved"] > 0 and outcome["left"] == 0 and outcome["stopped"], outcome
         timelines = [server.get(f"/v1/requests/{r['id']}/timeline")[1] for r in results]
-        drained = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "drain"]
-        assert drained and all(mv["outcome"] == "moved" and mv["source"] == 1 for mv in drained)
+        drained = [[mv for mv in t["moves"] if mv["reason"] == "drain"] for t in timelines]
+        assert any(drained) and all(mv["source"] == 1 for moves in drained for mv in moves)
+        # each drained reply's last move took it; one that outgrew its seat on the way (a slow moment on a
+        # shared machine: more than SLACK_TOKENS tokens while its seat was sought) is refused and asked again
+        for moves in filter(None, drained):
+            assert moves[-1]["outcome"] == "moved", moves
+            assert all(mv["outcome"] == "refused" and "outgrew its seat" in mv["detail"] for mv in moves[:-1]), moves
         assert not any(t["redos"] for t in timelines), "a reply was redone instead of moved"
         back = _wait_back(server, 1, incarnation)
         assert not back["draining"] and "stopped on request" in back["exit_cause"]
