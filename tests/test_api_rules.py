@@ -275,6 +275,18 @@ async def test_limits_and_unsupported_fields_are_named(tokenizer, extra, param):
         assert resp.status == 400 and err["param"] == param, err
 
 
+@pytest.mark.parametrize("prompt", [[-1], [1, -5], [2**32], [2**64], [[3], [-1]], [99_999_999]])
+@pytest.mark.parametrize("extra", [{}, {"echo": True}, {"echo": True, "truncate_prompt_tokens": 1}])
+async def test_token_ids_outside_the_vocabulary_are_a_400_whatever_else_is_asked(tokenizer, prompt, extra):
+    # echo decoded the ids before their range was checked: a negative id or one of 2^32 was a 500 (a
+    # hostile-client helper); an id cut off by truncate_prompt_tokens went unchecked
+    prompt = [5, 6, *prompt] if "truncate_prompt_tokens" in extra and isinstance(prompt[0], int) else prompt
+    async with api_client(tokenizer) as client:
+        resp = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, **extra})
+        err = await error_of(resp)
+        assert resp.status == 400 and err["param"] == "prompt" and "token ids" in err["message"], err
+
+
 async def test_message_lists_are_bounded(tokenizer):
     async with api_client(tokenizer) as client:
         resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": ""}] * 3000})

@@ -196,12 +196,14 @@ class Api:
         given = p.completion_prompts(body, self.max_model_len, self.max_token_chars, truncated=keep is not None)
         for i, prompt in enumerate(given):
             text = prompt if isinstance(prompt, str) else None
+            which = f"prompt {i} of {len(given)}" if len(given) > 1 else "prompt"
             if text is not None:
                 prompt = await self._off_loop(len(text), self._tokenizer().encode, text, special)
+            else:  # before echo decodes them and truncation cuts any off
+                self._check_token_ids(prompt, which)
             if keep is not None and len(prompt) > keep:  # echo then shows the tokens kept
                 prompt, text = prompt[-keep:], None
             if len(prompt) >= self.max_model_len:  # refused before the batch's next prompts are tokenized
-                which = f"prompt {i} of {len(given)}" if len(given) > 1 else "prompt"
                 raise p.context_error(self.max_model_len, "prompt", f"{len(prompt):,} tokens", which)
             prompts.append(prompt)
             texts.append(text)
@@ -210,6 +212,11 @@ class Api:
             echoes = [text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
                       if self.tokenizer else "" for ids, text in zip(prompts, texts)]  # fmt: skip
         return await self._serve(request, body, prompts, chat=False, echoes=echoes)
+
+    def _check_token_ids(self, ids: list[int], which: str) -> None:
+        vocab = len(self.tokenizer) if self.tokenizer else None
+        if vocab and any(t < 0 or t >= vocab for t in ids):
+            raise ApiError(f"{which}: token ids must be in [0, {vocab})", param="prompt")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -283,8 +290,6 @@ class Api:
         for ids in prompts:
             if len(ids) >= self.max_model_len:
                 raise p.context_error(self.max_model_len, prompt_param, f"{len(ids):,} tokens")
-            if vocab and any(t < 0 or t >= vocab for t in ids):
-                raise ApiError(f"token ids must be in [0, {vocab})", param="prompt")
         opts = p.stream_options(body)
         default = self.default_max_tokens if chat else 16
         longest = max(map(len, prompts))
