@@ -17,6 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from minipd.sampling_params import SamplingParams
+from minipd.server import events as events_module
 from minipd.server.app import Api
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply
@@ -531,6 +532,31 @@ async def test_the_event_stream_wants_a_finite_time(since):
     async with api_client() as client:
         resp = await client.get(f"/admin/events?since={since}")
         assert resp.status == 400 and (await error_of(resp))["param"] == "since"
+
+
+async def test_an_event_reader_cut_off_for_falling_behind_sees_its_stream_end(monkeypatch):
+    """Defect (a hostile-client helper): a reader that fell a whole backlog behind was dropped from the
+    subscribers but its stream stayed open, sending keep-alives and never another event, so the page's
+    feed (which reconnects with ?since= when its stream ends) froze for good after a throttled tab."""
+    monkeypatch.setattr(events_module, "SUBSCRIBER_BACKLOG", 50)
+    async with api_client() as client:
+        resp = await client.get("/admin/events")
+        log = client.api.router.events
+        t = time.time()
+        for i in range(120):  # no await between them: the handler reads nothing meanwhile
+            log.publish({"type": "test", "time": t + i})
+        body = (await asyncio.wait_for(resp.content.read(), 5)).decode()
+        times = [json.loads(line[6:])["time"] for line in body.splitlines() if line.startswith("data: ")]
+        assert times == [t + i for i in range(len(times))] and 50 <= len(times) < 120, times
+        assert ": cut off: this reader fell 50 events behind" in body and not log.subscribers
+        resp = await client.get(f"/admin/events?since={times[-1]}")  # as the page reconnects: what it missed is there
+        seen = []
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                seen.append(json.loads(line[6:])["time"])
+            if seen and seen[-1] == t + 119:
+                break
+        assert seen == [t + i for i in range(len(times) - 1, 120)]
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])

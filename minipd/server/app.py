@@ -633,6 +633,10 @@ class Api:
                 if i % 256 == 255:
                     await asyncio.sleep(0)  # a long replay takes turns with the other clients
             while True:
+                if log_.ended(queue):
+                    await resp.write(b": cut off: this reader fell %d events behind; reconnect with ?since= the last "
+                                     b"event's time\n\n" % queue.maxsize)  # fmt: skip
+                    break
                 try:
                     event = await asyncio.wait_for(queue.get(), timeout=15)
                 except asyncio.TimeoutError:

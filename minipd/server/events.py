@@ -20,6 +20,7 @@ class EventLog:
         self.buffer: deque[tuple[dict, int]] = deque()  # (event, its size as JSON), oldest first
         self.bytes = 0
         self.subscribers: set[asyncio.Queue] = set()
+        self.cut_off: set[asyncio.Queue] = set()  # dropped for falling behind: their streams end once read out
 
     def publish(self, event: dict) -> None:
         size = len(json.dumps(event, default=str))
@@ -32,6 +33,7 @@ class EventLog:
                 q.put_nowait(event)
             except asyncio.QueueFull:  # a reader that stopped reading is cut off, not waited for
                 self.subscribers.discard(q)
+                self.cut_off.add(q)
 
     def close(self) -> None:
         """Every subscriber's stream ends (None is the last thing it reads)."""
@@ -39,7 +41,7 @@ class EventLog:
             try:
                 q.put_nowait(None)
             except asyncio.QueueFull:
-                pass
+                self.cut_off.add(q)
         self.subscribers.clear()
 
     def subscribe(self) -> asyncio.Queue:
@@ -49,6 +51,12 @@ class EventLog:
 
     def unsubscribe(self, q: asyncio.Queue) -> None:
         self.subscribers.discard(q)
+        self.cut_off.discard(q)
+
+    def ended(self, q: asyncio.Queue) -> bool:
+        """A subscriber cut off has read every event it was given: its stream must end, or it would
+        wait for events that never come (its reader reconnects with ?since= its last event's time)."""
+        return q in self.cut_off and q.empty()
 
     def since(self, t: float) -> list[dict]:
         return [e for e, _ in self.buffer if e.get("time", 0.0) >= t]
