@@ -329,3 +329,24 @@ async def test_a_second_move_of_a_request_whose_move_is_asking_for_a_seat_says_i
     assert second.outcome == "under_way" and "under way" in second.detail
     assert not first.done()
     first.cancel()
+
+
+def test_the_finished_timelines_kept_are_bounded_by_their_token_times_too():
+    """Defect (a hostile-client helper): 2,000 finished timelines were kept whatever their length; with
+    replies of 4,000 tokens their token times alone were about 250 MB of the main process."""
+    router = serving_router(FakePool(["both"]))
+    t = time.time()
+    for i in range(2000):
+        state = RequestState(f"r{i}", [1], SamplingParams(max_tokens=4000), None)
+        state.token_times = [t + j * 1e-3 for j in range(4000)]
+        router.requests[state.request_id] = state
+        router._end(state, "length")
+    kept = [router.timeline(f"r{i}") for i in range(2000)]
+    assert sum(len(tl["token_times"]) for tl in kept if tl) <= 1_000_000
+    assert kept[-1]["token_times"] == [t + j * 1e-3 for j in range(4000)] and kept[0] is None
+    for i in range(2500):  # short replies: the newest 2,000 are kept
+        short = RequestState(f"s{i}", [1], SamplingParams(), None)
+        short.token_times = [t]
+        router.requests[short.request_id] = short
+        router._end(short, "stop")
+    assert router.timeline("s499") is None and router.timeline("s500") is not None and len(router.finished) == 2000

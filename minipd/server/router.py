@@ -30,6 +30,7 @@ from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.router")
 KEPT_TIMELINES = 2000
+KEPT_TOKEN_TIMES = 1_000_000  # over all kept timelines: about 32 MB as Python floats
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class Router:
         self.requests: dict[str, RequestState] = {}
         self.by_key: dict[str, RequestState] = {}
         self.finished: OrderedDict[str, dict] = OrderedDict()  # recent timelines
+        self.finished_token_times = 0  # how many token times they hold
         self.mode = Mode()  # the mode the workers serve in
         self.target = target  # the mode a switch (the start's too) is bringing them into, else None
         self.relay = Relay(metrics, kv_transport)
@@ -301,9 +303,10 @@ class Router:
             self.metrics.e2e.labels(model).observe(state.events["finish"] - state.arrival)
         self.metrics.success.labels(model, state.finish_reason).inc()
         self.finished[state.request_id] = timeline = state.timeline()
+        self.finished_token_times += len(timeline["token_times"])
         self.advisor.on_finished(timeline)
-        while len(self.finished) > KEPT_TIMELINES:
-            self.finished.popitem(last=False)
+        while len(self.finished) > KEPT_TIMELINES or self.finished_token_times > KEPT_TOKEN_TIMES:
+            self.finished_token_times -= len(self.finished.popitem(last=False)[1]["token_times"])
         state.deltas.put_nowait(Delta(text, len(token_ids or ()), state.finish_reason, error, error_status, error_code,
                                       logprobs, token_ids))
 
