@@ -559,6 +559,19 @@ async def test_an_event_reader_cut_off_for_falling_behind_sees_its_stream_end(mo
         assert seen == [t + i for i in range(len(times) - 1, 120)]
 
 
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", {"prompt": "hi", "model": "m" * 2**20}, 404),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "m" * 2**20}, 404),
+    ("/admin/mode", {"mode": "m" * 2**20}, 400),
+])  # fmt: skip
+async def test_an_error_shows_a_huge_value_cut_short_not_whole(tokenizer, path, body, status):
+    """Defect (a hostile-client helper): a 1 MB model name came back whole in the 404's message."""
+    async with api_client(tokenizer) as client:
+        resp = await client.post(path, json=body, headers={"Origin": own_origin(client)})
+        err = await error_of(resp)
+        assert resp.status == status and "mmmm" in err["message"] and len(err["message"]) < 1000, len(err["message"])
+
+
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
 async def test_the_authorization_scheme_is_case_insensitive(scheme):
     """RFC 9110: the scheme's case does not matter (the key's does)."""

@@ -23,7 +23,7 @@ from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply, choice_params, deltas_of
-from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable
+from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable, shown
 from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, BodyCutShort, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
@@ -277,7 +277,7 @@ class Api:
         if model is not None and not isinstance(model, str):
             raise ApiError("'model' must be a string", param="model")
         if model not in (None, self.model_name):
-            raise ApiError(f"model {model!r} is not served here; this server serves {self.model_name!r}",
+            raise ApiError(f"model {shown(model)} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
 
     async def _serve(self, request, body, prompts: list[list[int]], chat: bool,
@@ -463,7 +463,7 @@ class Api:
     async def model(self, request) -> web.Response:
         name = request.match_info["model"]
         if name != self.model_name:
-            raise ApiError(f"model {name[:200]!r} is not served here; this server serves {self.model_name!r}",
+            raise ApiError(f"model {shown(name)} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
         return web.json_response(self._model_card())
 

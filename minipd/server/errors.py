@@ -4,6 +4,11 @@ turns these into status codes and OpenAI-style error bodies."""
 from __future__ import annotations
 
 
+def shown(value: str, limit: int = 200) -> str:
+    """A client's string as an error message quotes it: cut short, so a huge one is not sent back whole."""
+    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value):,} characters)"
+
+
 class ServeError(Exception):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from minipd.server.errors import Conflict, InvalidRequest, Unavailable
+from minipd.server.errors import Conflict, InvalidRequest, Unavailable, shown
 from minipd.server.moves import summary
 from minipd.workers import messages as m
 
@@ -36,7 +36,7 @@ class Mode:
 
     def check(self, num_workers: int) -> None:
         if self.name not in MODES:
-            raise InvalidRequest(f"mode must be one of {MODES}, got {self.name!r}", param="mode")
+            raise InvalidRequest(f"mode must be one of {MODES}, got {shown(self.name)}", param="mode")
         if not 1 <= self.chunk_tokens <= MAX_TOKENS_SETTING:
             raise InvalidRequest(f"chunk_tokens must be between 1 and {MAX_TOKENS_SETTING}", param="chunk_tokens")
         if self.kv_link_gbps is not None and not MIN_LINK_GBPS <= self.kv_link_gbps < math.inf:
@@ -101,7 +101,7 @@ def requested_mode(body: dict, cur: Mode) -> Mode:
     if not isinstance(name, str):
         raise InvalidRequest("'mode' must be a string", param="mode")
     if name not in MODES:  # "auto" never reaches here: POST /admin/mode turns the advisor on for it
-        raise InvalidRequest(f"mode must be one of {', '.join(MODES)} or auto (the server chooses), got {name!r}",
+        raise InvalidRequest(f"mode must be one of {', '.join(MODES)} or auto (the server chooses), got {shown(name)}",
                              param="mode")  # fmt: skip
     fields = {}
     for field in INTEGER_SETTINGS + LINK_SETTINGS:
