@@ -200,3 +200,21 @@ def test_closing_a_worker_removes_its_shared_memory_cache(tmp_path):
     assert os.path.exists(path)
     h.close()
     assert not os.path.exists(path)
+
+
+def test_a_worker_gives_free_heap_back_once_idle_after_serving(harness):
+    h = harness()
+    w = h.worker
+    w.idle_trim.after_s = 0.05
+    asked = []
+    w.idle_trim.trim = asked.append
+    h.send(m.AddRequest("r", [5, 6, 7], PARAMS))
+    h.run_until(lambda msgs: any(x.finished for x in of(m.Tokens, msgs)))
+    assert asked == []  # not while it served
+    deadline = time.monotonic() + 5
+    while not asked and time.monotonic() < deadline:
+        w.turn(poll_ms=10)
+    assert asked == [0]
+    for _ in range(20):
+        w.turn(poll_ms=1)
+    assert asked == [0]  # once per idle spell

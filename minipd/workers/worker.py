@@ -18,7 +18,7 @@ import zmq
 from minipd.config import EngineConfig
 from minipd.engine.block_manager import blocks_for
 from minipd.engine.engine import Engine, StepFailed
-from minipd.heap import GcPauses
+from minipd.heap import GcPauses, IdleTrim
 from minipd.sampling_params import SamplingParams
 from minipd.transfer import shm, wire
 from minipd.transfer.handoffs import Handoff, Handoffs, Stage
@@ -76,6 +76,7 @@ class Worker:
         self.stuck = False  # the last step could run nothing (no free blocks yet): do not spin
         self.last_stats = self.last_lease_check = 0.0
         self.gc = GcPauses()
+        self.idle_trim = IdleTrim()
         self.engine.on_prefill_step = lambda start, tokens, decodes, keys: self.send(
             m.StepStart(self.id, start, tokens, decodes, keys))
         faults.install(self)
@@ -147,6 +148,7 @@ class Worker:
             self._guarded(self._check_leases)
         if self.engine.has_unfinished():
             self._guarded(self._step)
+        self.idle_trim.tick(bool(self.engine.has_unfinished() or len(self.outgoing) or len(self.seats)))
         if time.monotonic() - self.last_stats > HEARTBEAT_S:
             self._guarded(self.send_stats)
         if self.leaving and not self.said_leaving:
