@@ -23,7 +23,7 @@ from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply
 from minipd.server.metrics import Metrics
 from minipd.server.router import Router
-from minipd.server.worker_pool import WorkerPool
+from minipd.server.worker_pool import WorkerHandle, WorkerPool
 
 pytestmark = pytest.mark.asyncio
 EVIL = "http://evil.example"
@@ -570,6 +570,23 @@ async def test_an_error_shows_a_huge_value_cut_short_not_whole(tokenizer, path, 
         resp = await client.post(path, json=body, headers={"Origin": own_origin(client)})
         err = await error_of(resp)
         assert resp.status == status and "mmmm" in err["message"] and len(err["message"]) < 1000, len(err["message"])
+
+
+async def test_health_names_a_worker_that_has_gone_silent():
+    """Defect (a hostile-client helper): with one worker stopped (SIGSTOP), /health said ok for the whole
+    minute before --worker-timeout replaced it, while a mode switch waited on that worker's answer."""
+    async with api_client() as client:
+        r = client.api.router
+        r.ready = True
+        now = time.monotonic()
+        r.pool.workers = [WorkerHandle(i, {}, "cpu", state="up", last_heard=now) for i in range(2)]
+        body = await (await client.get("/health")).json()
+        assert body["status"] == "ok", body
+        r.pool.workers[1].last_heard = now - 12
+        resp = await client.get("/health")
+        body = await resp.json()
+        assert resp.status == 200 and body["status"] == "degraded" and body["unresponsive_workers"] == [1], body
+        assert 12 <= body["silent_seconds"][0] < 20
 
 
 @pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
