@@ -36,6 +36,41 @@ positive_float = _number(float, 0, True, "a number > 0")
 nonnegative_float = _number(float, 0, False, "a number >= 0")
 
 
+def make_writable_folder(folder: str) -> None:
+    """The output folder, made and written to once before a long run (not after, when its results would be
+    lost); OSError says why it cannot be."""
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    probe = Path(folder) / ".minipd-write-check"
+    probe.write_text("")
+    probe.unlink()
+
+
+def server_url(text: str) -> str:
+    """--url: a server's base URL, with its scheme (urllib reads "localhost:8000" as a scheme and a path)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"must be a URL such as http://127.0.0.1:8000, got {text!r}")
+    return text.strip()
+
+
+server_url.__name__ = "a server URL"
+
+
+def port_number(text: str) -> int:
+    """0: any free port (the log says which)."""
+    port = nonnegative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 0 to 65535, got {text!r}")
+    return port
+
+
+port_number.__name__ = "a TCP port"
+
+
 def listed(item, inf: bool = False):
     """A comma-separated list of `item`s, checked; returned as the text given (callers split it).
     inf: "inf" is one of the values allowed."""

@@ -148,3 +148,65 @@ def test_serve_refuses_a_duration_rate_or_share_no_server_could_run_on(flag, val
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["serve", flag, value])
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+# ---- found by a new-user pass over the README's commands (each failed before its fix) --------------
+NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing listens there
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["serve", "--port", "70000"], "argument --port: must be a TCP port"),  # a traceback
+    (["serve", "--port", "-1"], "argument --port: must be"),
+    (["trace", "--url", "localhost:8000"], "argument --url: must be a URL"),  # "could not read localhost:8000/..."
+    (["bench", "--url", "localhost:8000"], "argument --url: must be a URL"),  # "stopped answering (unknown url type)"
+    (["plan", "--url", "127.0.0.1:8000", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"], "argument --url: must be"),
+    (["demo", "--url", "localhost"], "argument --url: must be a URL"),
+    (["profile", "--url", "ftp://x"], "argument --url: must be a URL"),
+    (["demo", "--streams", "0"], "argument --streams"),  # a crash after the server started
+    (["demo", "--repeats", "0"], "argument --repeats"),  # taken as the default, 2
+    (["demo", "--chunk-tokens", "0"], "argument --chunk-tokens"), (["demo", "--long-tokens", "-5"], "argument --long-tokens"),
+    (["profile", "--workers", "0"], "argument --workers"),
+    (["bench", "--modes", "colocated,disagg:2p2d"], "disagg:2p2d needs 4 workers; --workers is 2"),  # after the start
+    (["bench", "--switch-at", "5:disagg:2p1d"], "disagg:2p1d needs 3 workers"),
+])  # fmt: skip
+def test_inputs_a_new_user_tried_are_refused_before_anything_starts(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", ["bench", "demo"])
+def test_an_output_folder_that_cannot_be_written_is_refused_before_a_server_starts(tool, tmp_path, capsys):
+    """bench ran the whole benchmark and then lost it in a FileExistsError traceback."""
+    (tmp_path / "a-file").write_text("")
+    assert main([tool, "--quick", "--out", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write to --out" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("tool", ["bench", "demo", "plan", "profile"])
+def test_a_url_where_nothing_listens_is_one_line_not_a_traceback(tool, tmp_path, capsys):
+    """demo and plan printed tracebacks; bench said the server "stopped answering", which it never did."""
+    extra = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"] if tool == "plan" else ["--out", str(tmp_path / "out")]
+    assert main([tool, "--url", NOWHERE, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach" in err and NOWHERE in err and "nothing answers" in err and "stopped" not in err
+
+
+def test_demo_refuses_a_document_longer_than_the_models_context(tmp_path, capsys):
+    """--long-tokens 100000 was taken: after 80 s the document was still being built, no error ever came."""
+    from tests.test_bench_cli import StandInServer
+
+    server = StandInServer()
+    try:
+        assert main(["demo", "--url", server.url, "--long-tokens", "100000", "--out", str(tmp_path)]) == 2
+        assert "--long-tokens 100000 does not fit the model's context of 8192 tokens" in capsys.readouterr().err
+    finally:
+        server.stop()
+
+
+def test_a_host_that_is_not_this_machines_is_named_as_the_problem_not_the_port():
+    from minipd.server.cli import UserError, _check_port
+
+    with pytest.raises(UserError, match="--host must be an address of this machine"):
+        _check_port("256.1.1.1", 8011)

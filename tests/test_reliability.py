@@ -435,3 +435,39 @@ def test_restarts_an_operator_asks_for_do_not_use_up_the_crash_budget():
         assert s.get("/health")[0] == 200
         # /admin/workers counted none of them (defect) while minipd:worker_restarts counted them all
         assert w["restarts"] == 3 and 'minipd:worker_restarts_total{model_name="tiny-random",worker="1"} 3.0' in s.get("/metrics")[1]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_server_a_command_started_ends_when_the_command_is_killed(tmp_path, how):
+    """Defect (a new-user helper): `demo` stopped by SIGTERM (`timeout 90 python -m minipd demo ...`) left
+    the server it had started running, with its workers and shared memory: that server has a session of
+    its own, and nothing stopped it once its parent was gone."""
+    starter = tmp_path / "starter.py"
+    starter.write_text("import time\nfrom minipd.bench.server_process import ServerProcess\n"
+                       f"s = ServerProcess({', '.join(map(repr, TINY))}, '--workers', '1')\n"
+                       "print(s.proc.pid, *s.worker_pids, flush=True)\ntime.sleep(600)\n")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, str(starter)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        proc.send_signal(how)
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while any(map(_running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_running, pids)), pids
+        assert glob.glob(f"/dev/shm/minipd_{pids[0]}-*") == []
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids if "pids" in locals() else []:  # what the defect left: not for the next test to meet
+            if _running(pid):
+                os.kill(pid, signal.SIGTERM)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter, listed, nonnegative_int, positive_float, positive_int
+from minipd.cli_help import DefaultsFormatter, listed, make_writable_folder, nonnegative_int, positive_float, positive_int, server_url
 
 
 def add_traffic_args(g) -> None:
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minipd bench", description=__doc__.split("\n\n")[0],
                                  formatter_class=DefaultsFormatter)  # fmt: skip
     g = ap.add_argument_group("target")
-    g.add_argument("--url", default=None, help="a running OpenAI-compatible server (default: start minipd)")
+    g.add_argument("--url", type=server_url, default=None, help="a running OpenAI-compatible server (default: start minipd)")
     g.add_argument("--api-key", default=None, help="its API key, if it needs one")
     g.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
     g.add_argument("--workers", type=positive_int, default=2, help="workers of the server this starts")
@@ -137,6 +137,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--switch-at makes one run of its own; it does not go with {', '.join(others)}")
     if (args.goodput_search or args.plan) and not (args.slo_ttft_ms and args.slo_tpot_ms):
         ap.error("--goodput-search and --plan need --slo-ttft-ms and --slo-tpot-ms")
+    if args.url is None:  # the server this starts: a split it cannot run is refused before it starts
+        for label, body in modes + [(label, body) for _, label, body in args.switches or []]:
+            needed = body.get("prefill_workers", 0) + body.get("decode_workers", 0)
+            if needed > args.workers:
+                ap.error(f"{label} needs {needed} workers; --workers is {args.workers}")
     return args
 
 
@@ -164,7 +169,12 @@ def run(argv=None) -> int:
         except Unreachable as err:
             print(f"python -m minipd bench: error: cannot reach a server at {args.url}: {err}", file=sys.stderr)
             return 2
-    else:
+    try:  # before the run, not after it, when what it measured would be lost
+        make_writable_folder(args.out)
+    except OSError as err:
+        print(f"python -m minipd bench: error: cannot write to --out {args.out}: {err}", file=sys.stderr)
+        return 2
+    if not args.url:
         transport = args.kv_transport or ("tcp" if links else "shm")
         extra = ["--model", args.model] if args.model else []
         if args.advisor_window is not None:

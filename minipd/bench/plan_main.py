@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter, positive_float, positive_int
+from minipd.cli_help import DefaultsFormatter, positive_float, positive_int, server_url
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minipd plan", description=__doc__.split("\n\n")[0],
                                  formatter_class=DefaultsFormatter)  # fmt: skip
-    ap.add_argument("--url", default=None, help="a running minipd server (default: start one)")
+    ap.add_argument("--url", type=server_url, default=None, help="a running minipd server (default: start one)")
     ap.add_argument("--api-key", default=None, help="its API key, if it needs one")
     ap.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--workers", type=positive_int, default=2, help="workers of the server this starts")
@@ -56,7 +56,7 @@ def run(argv=None) -> int:
     args = parse_args(argv)
     from minipd.bench import plan
     from minipd.bench.server_process import ServerProcess
-    from minipd.bench.target import Target
+    from minipd.bench.target import Target, Unreachable
     from minipd.bench.workloads import make_workload
 
     server = sim_profile = None
@@ -75,7 +75,12 @@ def run(argv=None) -> int:
             server = ServerProcess("--workers", str(args.workers), "--threads-per-worker", "1", "--log-level",
                                    "warning", *extra)  # fmt: skip
         try:
-            target = Target.probe(args.url or server.url, args.api_key)
+            try:
+                target = Target.probe(args.url or server.url, args.api_key)
+            except Unreachable as err:
+                print(f"python -m minipd plan: error: cannot reach a server at {args.url or server.url}: {err}",
+                      file=sys.stderr)  # fmt: skip
+                return 2
             if args.sim:
                 from minipd.sim.measure import measure
 

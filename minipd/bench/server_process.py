@@ -48,9 +48,10 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "minipd", "serve", "--port", str(self.port), *args]
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="minipd-server-")
         self.log = open(os.path.join(log_dir, f"server-{self.port}.log"), "w+")
-        env = {**os.environ, **(env or {})}
+        env = {**os.environ, **(env or {}), "MINIPD_STOP_WITH_PARENT": str(os.getpid())}
         self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else env.get("MINIPD_API_KEY")
-        # a session of its own: a test can signal its whole process group, as a terminal's Ctrl-C does
+        # a session of its own: a test can signal its whole process group, as a terminal's Ctrl-C does;
+        # MINIPD_STOP_WITH_PARENT: it stops itself once this process is gone, however it ended
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             self._wait_ready(ready_timeout)

@@ -35,14 +35,16 @@ class Target:
         url = url.rstrip("/").removesuffix("/v1")
         t = cls(url, "", api_key)
         try:
-            status, models = t.get("/v1/models")
+            status, models = http("GET", url + "/v1/models", timeout=30, api_key=api_key)
             if status != 200:
                 raise Unreachable(f"{url}/v1/models answered {status}: {models}")
             card = models["data"][0]
             t.model = card["id"]
             t.max_model_len = int(card.get("max_model_len") or 8192)
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as err:  # nothing listens, or not an OpenAI server
-            raise Unreachable(str(err)) from err
+        except OSError as err:  # nothing listens
+            raise Unreachable(f"nothing answers there ({getattr(err, 'reason', err)})") from err
+        except (ValueError, KeyError, IndexError, TypeError) as err:  # not an OpenAI server
+            raise Unreachable(f"{url}/v1/models is not an OpenAI model list ({err!r})") from err
         status, workers = t.get("/admin/workers")
         if status == 200 and isinstance(workers, dict) and "workers" in workers:
             t.is_minipd = True

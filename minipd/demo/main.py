@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, make_writable_folder, positive_int, server_url
 
 EXPLAIN = {
     "colocated": "One worker does everything, like the 32 people sharing one card: while it reads the long "
@@ -32,14 +32,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=DefaultsFormatter)  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="a shorter scene (shorter document and replies, 2 runs)")
     ap.add_argument("--out", default="demo-out", help="folder for demo.json and timeline.png")
-    ap.add_argument("--url", default=None, help="a running minipd server (default: start one)")
+    ap.add_argument("--url", type=server_url, default=None, help="a running minipd server (default: start one)")
     ap.add_argument("--api-key", default=None, help="the server's --api-key, if it has one")
     ap.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per mode (default 3, --quick 2)")
-    ap.add_argument("--streams", type=int, default=3, help="replies streaming when the document arrives")
-    ap.add_argument("--long-tokens", type=int, default=None, help="document length in tokens (default 1500, quick 1000)")
-    ap.add_argument("--stream-tokens", type=int, default=None, help="tokens per reply (default 320, quick 220)")
-    ap.add_argument("--chunk-tokens", type=int, default=64, help="chunked mode's token budget per step")
+    ap.add_argument("--repeats", type=positive_int, default=None, help="runs per mode (default 3, --quick 2)")
+    ap.add_argument("--streams", type=positive_int, default=3, help="replies streaming when the document arrives")
+    ap.add_argument("--long-tokens", type=positive_int, default=None, help="document length in tokens (default 1500, quick 1000)")
+    ap.add_argument("--stream-tokens", type=positive_int, default=None, help="tokens per reply (default 320, quick 220)")
+    ap.add_argument("--chunk-tokens", type=positive_int, default=64, help="chunked mode's token budget per step")
     ap.add_argument("--no-live", action="store_true", help="no live view (one line per run)")
     args = ap.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 3)
@@ -59,10 +59,12 @@ def run(argv=None) -> int:
     import asyncio
     import json
     import os
+    import sys
 
     from rich.console import Console
 
     from minipd.bench.server_process import ServerProcess
+    from minipd.bench.target import Target, Unreachable
     from minipd.demo import analysis
     from minipd.demo.plot import timeline_png
     from minipd.demo.scene import long_document
@@ -71,6 +73,11 @@ def run(argv=None) -> int:
     console = Console()
     if not console.is_terminal:
         console = Console(width=132)  # a file or a pipe: room for the table
+    try:  # before the runs, not after them, when what they measured would be lost
+        make_writable_folder(args.out)
+    except OSError as err:
+        print(f"python -m minipd demo: error: cannot write to --out {args.out}: {err}", file=sys.stderr)
+        return 2
     server = None
     url = args.url
     if url is None:
@@ -79,9 +86,18 @@ def run(argv=None) -> int:
         server = ServerProcess("--workers", "2", "--threads-per-worker", "1", "--log-level", "warning", *extra)
         url = server.url
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    document = long_document(load_tokenizer(args.model, convert_here=False), args.long_tokens)
     runs: dict[str, list] = {name: [] for name, _ in modes(args.chunk_tokens)}
     try:
+        try:
+            target = Target.probe(url, args.api_key)
+        except Unreachable as err:
+            print(f"python -m minipd demo: error: cannot reach a server at {url}: {err}", file=sys.stderr)
+            return 2
+        if args.long_tokens + 64 > target.max_model_len:  # the question around it, and the reply's 8 tokens
+            print(f"python -m minipd demo: error: --long-tokens {args.long_tokens} does not fit the model's context "
+                  f"of {target.max_model_len} tokens (with the question around it)", file=sys.stderr)  # fmt: skip
+            return 2
+        document = long_document(load_tokenizer(args.model, convert_here=False), args.long_tokens)
         console.print("warming up every mode…")
         for _, mode in modes(args.chunk_tokens):
             asyncio.run(_play(url, mode, 0, args, document[: len(document) // 4], headers, None, 2, 16))
@@ -94,6 +110,9 @@ def run(argv=None) -> int:
                 console.print(f"{name:>10} run {r}: stall {result['stall_s'] * 1e3:7.0f} ms, median gap "
                               f"{(result['median_gap_s'] or 0) * 1e3:5.0f} ms, document TTFT "
                               f"{(result['long_ttft_s'] or 0):5.2f} s")  # fmt: skip
+    except KeyboardInterrupt:
+        console.print("interrupted: the demo needs every mode's runs to compare them; nothing written")
+        return 130
     finally:
         if server is not None:
             server.stop()

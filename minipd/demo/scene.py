@@ -56,12 +56,12 @@ class Scene:
 
 def long_document(tokenizer, num_tokens: int) -> str:
     """About num_tokens tokens of document (the default model's tokenizer counts them)."""
-    text = DOCUMENT
-    while tokenizer is not None and len(tokenizer.encode(text)) < num_tokens:
-        text += DOCUMENT
     if tokenizer is None:
-        text = DOCUMENT * max(1, num_tokens // 60)
-    return text
+        return DOCUMENT * max(1, num_tokens // 60)
+    copies = max(1, num_tokens // len(tokenizer.encode(DOCUMENT)))  # then counted whole: a few tries, not one per copy
+    while len(tokenizer.encode(DOCUMENT * copies)) < num_tokens:
+        copies += 1
+    return DOCUMENT * copies
 
 
 async def play(url: str, mode: dict, run: int, *, streams: int, stream_tokens: int, document: str,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
 import socket
 import sys
 
-from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float, positive_int
+from minipd.cli_help import DefaultsFormatter, nonnegative_float, port_number, positive_float, positive_int
 
 log = logging.getLogger("minipd")
 
@@ -25,7 +26,7 @@ def add_serve_parser(sub, add_engine_args) -> None:
                        formatter_class=DefaultsFormatter)  # fmt: skip
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--port", type=port_number, default=8000, help="HTTP port")
     g.add_argument(
         "--api-key",
         default=os.environ.get("MINIPD_API_KEY"),
@@ -236,8 +237,14 @@ def _check_port(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as err:
-            raise UserError(f"cannot listen on {host}:{port}: {err.strerror.lower()} (another server there? "
-                            f"pick another port with --port)") from None  # fmt: skip
+            why = (err.strerror or str(err)).lower()
+            if err.errno == errno.EADDRINUSE:
+                hint = "another server there? pick another port with --port"
+            elif err.errno == errno.EACCES:
+                hint = "ports below 1024 need privileges: pick another with --port"
+            else:
+                hint = "--host must be an address of this machine, such as 127.0.0.1 or 0.0.0.0"
+            raise UserError(f"cannot listen on {host}:{port}: {why} ({hint})") from None
 
 
 def check_shared_memory(kv_bytes_per_token: int, args, num_workers: int) -> None:
@@ -307,6 +314,9 @@ async def serve(args, configs: list[dict], mode) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     tasks = []
+    parent = os.environ.get("MINIPD_STOP_WITH_PARENT", "")
+    if parent.isdigit():
+        tasks.append(loop.create_task(_stop_with_parent(int(parent), lambda: (on_signal(), on_signal()))))
 
     def route(msg) -> None:
         if isinstance(msg, m.Ready):
@@ -319,7 +329,8 @@ async def serve(args, configs: list[dict], mode) -> None:
     async def start() -> None:
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
-        log.info("minipd: listening on http://%s:%d (health: 503 until the workers are ready)", args.host, args.port)
+        port = runner.addresses[0][1] if runner.addresses else args.port  # --port 0: the one the system gave
+        log.info("minipd: listening on http://%s:%d (health: 503 until the workers are ready)", args.host, port)
         await pool.start(router.on_message, report_after=args.worker_timeout)
         supervisor.watch_all()
         tasks.append(_guard(loop.create_task(_pump(pool, route)), router, "the message pump"))
@@ -385,6 +396,15 @@ def build_router(args, pool, tokenizer, metrics, mode):
                                           profile=getattr(args, "advisor_step_profile", None))  # fmt: skip
     router.rebalancer.chosen_ratio, router.rebalancer.interval_s = args.rebalance_ratio, args.rebalance_interval
     return router
+
+
+async def _stop_with_parent(parent: int, stop_now) -> None:
+    """A server started by a command (bench, demo, plan, a test) stops once that command is gone,
+    however it ended (SIGKILL included): nothing else would stop it, in a session of its own."""
+    while os.getppid() == parent:
+        await asyncio.sleep(0.5)
+    log.warning("minipd: the process that started this server (pid %d) is gone: stopping", parent)
+    stop_now()
 
 
 def _guard(task: asyncio.Task, router, what: str) -> asyncio.Task:

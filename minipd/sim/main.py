@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter, listed, positive_float, positive_int
+from minipd.cli_help import DefaultsFormatter, listed, make_writable_folder, positive_float, positive_int
 
 
 def add_traffic_args(ap: argparse.ArgumentParser) -> None:
@@ -111,14 +111,8 @@ def load_profile(args):
 
 
 def _ready_out(folder: str) -> None:
-    """The output folder, made before anything is simulated (not after, when a long run's results would be lost)."""
-    import pathlib
-
     try:
-        pathlib.Path(folder).mkdir(parents=True, exist_ok=True)
-        probe = pathlib.Path(folder) / ".minipd-write-check"
-        probe.write_text("")
-        probe.unlink()
+        make_writable_folder(folder)
     except OSError as err:
         _fail(f"cannot write to --out {folder}: {err}")
 

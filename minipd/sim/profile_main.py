@@ -12,17 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter
+from minipd.cli_help import DefaultsFormatter, positive_int, server_url
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m minipd profile", description=__doc__.split("\n\n")[0],
                                  formatter_class=DefaultsFormatter)  # fmt: skip
-    ap.add_argument("--url", default=None, help="a running minipd server (default: start one)")
+    ap.add_argument("--url", type=server_url, default=None, help="a running minipd server (default: start one)")
     ap.add_argument("--api-key", default=None, help="its API key, if it needs one")
     ap.add_argument("--model", default=None, help="model for the server this starts (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--workers", type=int, default=2, help="workers of the server this starts")
-    ap.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker")
+    ap.add_argument("--workers", type=positive_int, default=2, help="workers of the server this starts")
+    ap.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads per worker")
     ap.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"], help="for the server this starts")
     ap.add_argument("--quick", action="store_true", help="fewer, shorter loads (about a minute on 2 cores)")
     ap.add_argument("--out", default="profile.json", help="where the profile is written")

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float
+from minipd.cli_help import DefaultsFormatter, nonnegative_float, positive_float, server_url
 
 READ_BUFSIZE = 2**22  # one SSE line (one event) may be this long, twice over
 
@@ -20,7 +20,7 @@ READ_BUFSIZE = 2**22  # one SSE line (one event) may be this long, twice over
 def add_trace_parser(sub) -> None:
     p = sub.add_parser("trace", help="record a running server's events as a Perfetto / Chrome trace",
                        description=__doc__.split("\n\n")[0], formatter_class=DefaultsFormatter)  # fmt: skip
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the minipd server")
+    p.add_argument("--url", type=server_url, default="http://127.0.0.1:8000", help="the minipd server")
     p.add_argument("--api-key", default=os.environ.get("MINIPD_API_KEY"),
                    help="its API key, if it has one (default: none; env MINIPD_API_KEY)")  # fmt: skip
     p.add_argument("--seconds", type=positive_float, default=10.0, help="how long to read the event stream")
