@@ -43,6 +43,9 @@ def cmd_generate(args) -> int:
     else:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     print(out.text)
+    if out.finish_reason == "length" and len(out.token_ids) < args.max_tokens:
+        print(f"(stopped at the end of the model's context: {len(out.prompt_token_ids)} prompt and "
+              f"{len(out.token_ids)} reply tokens, fewer than --max-tokens {args.max_tokens})", file=sys.stderr)
     return 0
 
 

@@ -50,7 +50,7 @@ def cell(errors: list[float], limit: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=positive_int, default=5, help="noise seeds per run (0, 1, ...)")
-    ap.add_argument("--folder", default="docs/validation")
+    ap.add_argument("--folder", default=str(Path(__file__).resolve().parent.parent / "docs" / "validation"))
     ap.add_argument("--refit", action="store_true", help="fit the step model again on each profile's measured steps")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     ap.add_argument("--runs", default=None, help="only these runs, FOLDER:DURATION[,...] (default: every run listed here)")

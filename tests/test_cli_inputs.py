@@ -210,3 +210,17 @@ def test_a_host_that_is_not_this_machines_is_named_as_the_problem_not_the_port()
 
     with pytest.raises(UserError, match="--host must be an address of this machine"):
         _check_port("256.1.1.1", 8011)
+
+
+def test_generate_says_when_the_context_ended_the_reply_before_max_tokens(capsys):
+    """It stopped at the context's end in silence, where the server refuses such a max_tokens."""
+    assert main(["generate", "--model", "tiny-random", "--raw", "hi", "--max-tokens", "500", "--kv-cache-tokens", "64"]) == 0
+    assert "stopped at the end of the model's context" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny-random", "--raw", "hi", "--max-tokens", "5"]) == 0
+    assert "context" not in capsys.readouterr().err
+
+
+def test_bench_refuses_a_plan_rate_without_a_plan(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--plan-rate", "1"])
+    assert e.value.code == 2 and "--plan-rate goes with --plan" in capsys.readouterr().err

@@ -135,6 +135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error("--switch-at makes one run: give one workload and one rate")
         if others:
             ap.error(f"--switch-at makes one run of its own; it does not go with {', '.join(others)}")
+    if args.plan_rate is not None and not args.plan:
+        ap.error("--plan-rate goes with --plan")
     if (args.goodput_search or args.plan) and not (args.slo_ttft_ms and args.slo_tpot_ms):
         ap.error("--goodput-search and --plan need --slo-ttft-ms and --slo-tpot-ms")
     if args.url is None:  # the server this starts: a split it cannot run is refused before it starts

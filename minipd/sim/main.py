@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fleet_sizes and min(int(x) for x in args.fleet_sizes.split(",")) < 2:
         ap.error("--fleet-sizes: a fleet needs 2 workers or more (a prefill and a decode worker)")
     if any(b.get("mode") not in ("colocated", "chunked", "disagg") for _, b in args.mode_list):
-        ap.error("the simulator runs colocated, chunked and disagg modes (not auto or server)")
+        ap.error("the simulator runs colocated, chunked and disagg modes; auto and server need a real server (python -m minipd bench)")
     for label, body in [] if args.fleet_sizes else args.mode_list:
         need = body.get("prefill_workers", 0) + body.get("decode_workers", 0)
         if body["mode"] == "disagg" and need > args.workers:
@@ -186,7 +186,7 @@ def profile_note(profile) -> str:
     what = ("**Simulated** from a profile measured on " + ", ".join(
         f"{k} {about[k]}" for k in ("model", "workers", "kv_transport") if k in about)
         + (f" ({about['machine'].get('cpu', '?')}, {about['machine'].get('isa', '?')})" if "machine" in about else "")
-        if not profile.is_estimate else f"**Simulated** from a **{profile.source}**: not measured anywhere")  # fmt: skip
+        if not profile.is_estimate else f"**Simulated** from an **{profile.source}**: not measured anywhere")  # fmt: skip
     s = profile.step
     return (f"## How this was made\n\n{what}. Step time = {s.fixed * 1e3:.2f} ms + {s.per_prefill_token * 1e6:.2f} us per "
             f"prompt token{s.prompt_bends_text(' per ')} + {s.per_attention_pair * 1e9:.3f} ns per (query, key) pair + {s.per_decode * 1e3:.3f} ms per "

@@ -24,7 +24,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workers", type=positive_int, default=2, help="workers of the server this starts")
     ap.add_argument("--threads-per-worker", type=positive_int, default=1, help="torch threads per worker")
     ap.add_argument("--kv-transport", default="shm", choices=["shm", "tcp"], help="for the server this starts")
-    ap.add_argument("--quick", action="store_true", help="fewer, shorter loads (about a minute on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter loads (2-4 minutes on 2 cores)")
     ap.add_argument("--out", default="profile.json", help="where the profile is written")
     return ap.parse_args(argv)
 
