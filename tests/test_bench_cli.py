@@ -281,3 +281,37 @@ def test_a_server_that_goes_away_mid_bench_leaves_what_was_measured(tmp_path, ca
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["params"]["label"] for r in runs] == ["colocated"] and runs[0]["summary"]["completed"] == 3
     assert (out / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_bench_leaves_a_server_of_the_users_own_in_the_mode_it_found(tmp_path):
+    """Defect (a new-user pass): `bench --url` left the server in the last mode it ran (disagg), with the
+    chunk_tokens of a chunked:64 run before it carried into disagg."""
+    from tests.helpers import serving
+
+    start = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 128}
+    with serving("--model", "tiny-random", "--threads-per-worker", "1", "--workers", "2") as s:
+        assert s.post("/admin/mode", start)[0] == 200
+        before = s.get("/admin/mode")[1]
+        rc = run(["--url", s.url, "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--rates", "20",
+                  "--modes", "chunked:64,colocated", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+        after = s.get("/admin/mode")[1]
+    assert rc == 0 and {k: v for k, v in after.items() if k != "last_switch"} == {
+        k: v for k, v in before.items() if k != "last_switch"} == start, (before, after)  # fmt: skip
+
+
+def test_the_mode_to_restore_spells_out_every_setting():
+    class Found:
+        def __init__(self, report):
+            self.report = report
+
+        def get(self, path):
+            return 200, self.report
+
+    assert experiment.mode_to_restore(Found({"mode": "disagg", "prefill_workers": 1, "decode_workers": 1})) == {
+        "mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 512, "local_prefill_tokens": 0,
+        "kv_link_gbps": None, "kv_link_latency_ms": 0}  # fmt: skip
+    assert experiment.mode_to_restore(Found({"mode": "chunked", "chunk_tokens": 64, "last_switch": {}})) == {
+        "mode": "chunked", "chunk_tokens": 64, "workers": None, "kv_link_gbps": None, "kv_link_latency_ms": 0}
+    assert experiment.mode_to_restore(Found({"mode": "colocated", "auto": True})) == {"mode": "auto"}
+    assert experiment.mode_to_restore(Found({"error": "x"})) is None

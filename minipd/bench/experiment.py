@@ -8,12 +8,14 @@ import asyncio
 import math
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
 from minipd.bench import phases as ph
 from minipd.bench.client import load_or_interrupt, run_interruptible, run_load
 from minipd.bench.metrics import RequestRecord, distserve_goodput, per_worker, summarize
+from minipd.server.modes import DEFAULT_CHUNK_TOKENS
 from minipd.bench.switching import analyse, switch_on_schedule
 from minipd.bench.target import Target
 from minipd.bench.workloads import PHASES, BenchRequest, make_workload, phase_spans
@@ -36,6 +38,30 @@ class Settings:
     slo_tpot_ms: float | None
     progress: bool = True
     phases: tuple[str, ...] = PHASES  # the phases workload's
+
+
+RESTORED_DEFAULTS = {"colocated": {"workers": None}, "chunked": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "workers": None},
+                     "disagg": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "local_prefill_tokens": 0}}  # fmt: skip
+
+
+def mode_to_restore(target) -> dict | None:
+    """The /admin/mode body that brings a server of the user's own back to the mode bench found it in,
+    every setting spelled out (one left out would keep what the last run set); None if it cannot say."""
+    status, report = target.get("/admin/mode")
+    if status != 200 or not isinstance(report, dict) or report.get("mode") not in RESTORED_DEFAULTS:
+        return None
+    if report.get("auto"):
+        return {"mode": "auto"}
+    body = {"mode": report["mode"], **RESTORED_DEFAULTS[report["mode"]], "kv_link_gbps": None, "kv_link_latency_ms": 0}
+    return {**body, **{k: v for k, v in report.items() if k in body or k in ("prefill_workers", "decode_workers")}}
+
+
+def restore_mode(target, body: dict) -> None:
+    try:
+        target.set_mode(body)
+        print(f"the server is back in the mode bench found it in: {body}", file=sys.stderr)
+    except Exception as err:  # the server gone or refusing: the results are written all the same
+        print(f"warning: could not bring the server back to {body}: {err}", file=sys.stderr)
 
 
 def parse_modes(text: str) -> list[tuple[str, dict]]:

@@ -190,6 +190,7 @@ def run(argv=None) -> int:
                                "--kv-transport", transport, "--log-level", "warning", *extra)  # fmt: skip
         target = Target.probe(server.url)
     modes = ex.parse_modes(args.modes) if target.is_minipd else [("server", {})]
+    found = ex.mode_to_restore(target) if args.url and target.is_minipd else None  # a server of the user's own
     runs, searches, link_runs, notes = [], [], [], {}
     if args.switches and not target.is_minipd:
         if server is not None:
@@ -257,6 +258,8 @@ def run(argv=None) -> int:
     finally:
         if server is not None:
             server.stop()
+        if found is not None:
+            ex.restore_mode(target, found)
     for i in range(args.repeats):  # each repeat's auto runs against the fixed modes of the same seed
         ph.attach_comparisons([r for r in runs if r.get("repeat", 0) == i])
     everything = runs + link_runs + [r for s in searches for r in s["runs"]]
