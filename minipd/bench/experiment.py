@@ -41,7 +41,8 @@ class Settings:
 
 
 RESTORED_DEFAULTS = {"colocated": {"workers": None}, "chunked": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "workers": None},
-                     "disagg": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "local_prefill_tokens": 0}}  # fmt: skip
+                     "disagg": {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": DEFAULT_CHUNK_TOKENS,
+                                "local_prefill_tokens": 0}}  # fmt: skip
 
 
 def mode_to_restore(target) -> dict | None:
@@ -53,7 +54,7 @@ def mode_to_restore(target) -> dict | None:
     if report.get("auto"):
         return {"mode": "auto"}
     body = {"mode": report["mode"], **RESTORED_DEFAULTS[report["mode"]], "kv_link_gbps": None, "kv_link_latency_ms": 0}
-    return {**body, **{k: v for k, v in report.items() if k in body or k in ("prefill_workers", "decode_workers")}}
+    return {**body, **{k: v for k, v in report.items() if k in body}}
 
 
 def restore_mode(target, body: dict) -> None:
