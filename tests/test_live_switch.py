@@ -17,6 +17,7 @@ TINY = ("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1")
 PROMPTS = [[5 + i, 17, 29, 41 + i] * (3 + 2 * i) for i in range(8)]
 SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 99}
 MAX_TOKENS = 250
+LONG_REPLY = 1500  # long enough that seats 0.5 s late cannot outlast it
 
 
 async def streams_with_a_switch(server, body: dict, after_tokens: int = 8, prompts=PROMPTS, **extra):
@@ -262,7 +263,7 @@ def test_a_move_that_outlives_its_lease_is_redone_and_leaves_no_block():
         wait_for_idle_workers(server, 30)
 
 
-def _crowd_then_resume(server) -> tuple[list[dict], list[dict]]:
+def _crowd_then_resume(server, max_tokens: int = MAX_TOKENS) -> tuple[list[dict], list[dict]]:
     """Drain worker 1, stream PROMPTS (all on worker 0), resume worker 1 once each has 5 tokens."""
     assert server.post("/admin/workers/1/drain", {})[0] == 200
 
@@ -275,7 +276,7 @@ def _crowd_then_resume(server) -> tuple[list[dict], list[dict]]:
             if min(counts) >= 5:
                 ready.set()
 
-        run = asyncio.ensure_future(stream_completions(server.url, PROMPTS, MAX_TOKENS, count))
+        run = asyncio.ensure_future(stream_completions(server.url, PROMPTS, max_tokens, count))
         await asyncio.wait_for(ready.wait(), 60)
         status, _ = await asyncio.get_running_loop().run_in_executor(None, server.post, "/admin/workers/1/resume", {})
         assert status == 200
@@ -302,6 +303,24 @@ def test_rebalancing_moves_replies_to_a_worker_that_came_back_empty():
         assert all(sum(mv["reason"] == "rebalance" for mv in t["moves"]) <= 1 for t in timelines)  # once at most
         assert not any(t["redos"] for t in timelines), "a reply was redone instead of moved"
         assert server.get("/admin/mode")[1]["rebalance"]["rounds"] >= rounds + 1
+        wait_for_idle_workers(server, 20)
+
+
+def test_a_reply_that_outgrew_its_seat_while_the_seat_came_is_moved_with_a_bigger_one():
+    """Defect (CI, a loaded machine): the seat of a rebalancing move came so late that the reply had
+    made more than the seat's slack of tokens meanwhile; the source refused the move and the reply
+    stayed on the crowded worker. Seats now come 0.5 s late (a reply makes far more than the slack
+    meanwhile): the move is asked again with a seat sized by how much the reply grew, and moves."""
+    env = {**os.environ, "MINIPD_FAULTS": "slow_seat_s=0.5"}
+    with serving(*TINY, "--rebalance-ratio", "1.5", "--rebalance-interval", "0.1", env=env) as server:
+        want = texts(asyncio.run(stream_completions(server.url, PROMPTS, LONG_REPLY)))
+        results, timelines = _crowd_then_resume(server, LONG_REPLY)
+        assert texts(results) == want
+        moved = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
+        assert len(moved) >= len(PROMPTS) // 2, moved
+        assert all(mv["outcome"] == "moved" for mv in moved), moved
+        assert any(mv["attempts"] > 1 for mv in moved), moved  # the fault did make a seat too small
+        assert not any(t["redos"] for t in timelines)
         wait_for_idle_workers(server, 20)
 
 

@@ -215,15 +215,10 @@ class ModeSwitcher:
             r.events.publish({"type": "mode", "phase": "serving", "time": time.time(), "mode": mode.as_dict(),
                               "drain_seconds": serving_after})  # fmt: skip
             log.info("minipd: now serving in mode %s", mode.as_dict())
-            moves = []
             wait = self.move_timeout if self.move_timeout is not None else r.limits.kv_transfer_timeout + 5.0
             try:
-                for _ in range(3):  # a reply that outgrew its seat on the way is asked again, with a bigger one
-                    self.moving = r.mover.misplaced()
-                    batch = await r.mover.move_all(self.moving, "switch", wait)
-                    moves += batch
-                    if not any(x.outcome == "refused" for x in batch):
-                        break
+                self.moving = r.mover.misplaced()
+                moves = await r.mover.move_all(self.moving, "switch", wait)
             finally:
                 self.moving = None
             outcome = {"from": old.as_dict(), "to": mode.as_dict(), "changed": True, "drain": drain,

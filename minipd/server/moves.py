@@ -15,6 +15,7 @@ from minipd.workers import messages as m
 
 DECODE_ROLES = ("both", "decode")
 SLACK_TOKENS = 32  # tokens the reply may grow between the seat's size and the boundary where it moves
+MOVE_ATTEMPTS = 3  # a reply that outgrew its seat while the seat came is asked again, with a bigger one
 KEPT_MOVES = 500
 
 
@@ -31,6 +32,7 @@ class MoveRecord:
     seconds: float | None = None  # seat granted -> KV imported on the target
     outcome: str | None = None  # moved | refused | no_seat | ended | failed (| under_way: in move_all's answer)
     detail: str | None = None
+    attempts: int = 1  # seats asked for: more than one when the reply outgrew the first
 
 
 class Mover:
@@ -39,6 +41,7 @@ class Mover:
         self.pending: dict[str, tuple[MoveRecord, asyncio.Future]] = {}  # key -> (record, done)
         self.asking: set[str] = set()  # keys whose move waits for a seat
         self.recent: deque[dict] = deque(maxlen=KEPT_MOVES)
+        self.outgrown: dict[str, int] = {}  # key -> its length when the source refused a seat too small
         self.counts: dict[str, int] = {}
 
     @staticmethod
@@ -76,11 +79,22 @@ class Mover:
         return records
 
     async def move(self, state, reason: str, target_roles: tuple[str, ...] = DECODE_ROLES) -> MoveRecord:
-        rec = await self._move(state, reason, target_roles)
+        """Move one request. Its seat is sized for the reply's length now plus a slack; a reply that
+        grew past it while the seat came (a slow moment) is asked again, with the slack three times
+        what it grew by. The request's timeline keeps the last attempt, with their count."""
+        slack = SLACK_TOKENS
+        for attempt in range(1, MOVE_ATTEMPTS + 1):
+            known = len(state.prompt_token_ids) + len(state.output_token_ids)
+            rec = await self._move(state, reason, target_roles, slack)
+            rec.attempts = attempt
+            grown_to = self.outgrown.pop(rec.key, None)
+            if rec.outcome != "refused" or grown_to is None:
+                break
+            slack = max(2 * slack, 3 * (grown_to - known))  # the next seat may wait behind others
         state.moves.append(asdict(rec))
         return rec
 
-    async def _move(self, state, reason: str, target_roles: tuple[str, ...]) -> MoveRecord:
+    async def _move(self, state, reason: str, target_roles: tuple[str, ...], slack: int) -> MoveRecord:
         r = self.router
         source = self.settled_on(state)
         rec = MoveRecord(state.request_id, state.placement.key if state.placement else "", source, reason, time.time())
@@ -90,7 +104,7 @@ class Mover:
             return self._end(rec, "ended", "the request is not settled on a worker")
         p = state.placement
         longest = len(state.prompt_token_ids) + state.params.max_tokens
-        num_tokens = min(len(state.prompt_token_ids) + len(state.output_token_ids) + SLACK_TOKENS, longest)
+        num_tokens = min(len(state.prompt_token_ids) + len(state.output_token_ids) + slack, longest)
         headroom = r.dispatcher._headroom(state, num_tokens)
         self.asking.add(p.key)
         try:
@@ -171,10 +185,12 @@ class Mover:
             entry[0].tokens = entry[0].tokens or data.get("tokens", 0)  # move_start may come in after it
             self.finish(key, "moved")
 
-    def finish(self, key: str, outcome: str, detail: str | None = None) -> None:
+    def finish(self, key: str, outcome: str, detail: str | None = None, outgrown_at: int | None = None) -> None:
         entry = self.pending.pop(key, None)
         if entry is None:
             return
+        if outgrown_at is not None:
+            self.outgrown[key] = outgrown_at
         rec, done = entry
         self._end(rec, outcome, detail)
         if not done.done():

@@ -220,7 +220,7 @@ class Router:
                 self.mover.started(p.key, msg.data)
             elif msg.kind == "move_refused" and msg.worker_id == p.worker and p.reader == msg.data.get("to"):
                 p.reader, p.first_token_at = None, None  # it stays where it is; its seat goes back
-                self.mover.finish(p.key, "refused", msg.data.get("reason"))
+                self.mover.finish(p.key, "refused", msg.data.get("reason"), msg.data.get("outgrown_at"))
         elif p.key in self.mover.pending:
             self.redo(state, f"its move failed on worker {msg.worker_id}: {msg.message}", local=True)
         else:

@@ -9,6 +9,7 @@ variable, e.g. MINIPD_FAULTS="fail_step_on_token=4242,slow_kv_copy_s=0.5". Off u
     hang_on_token=T            a request whose prompt has token T hangs the worker's loop (outside a step)
     fail_kv_write_on_token=T   the prefill worker fails to start writing the KV of a prompt with token T
     hang_at_start_s=S          the worker sleeps S seconds before it reports Ready (a start that hangs)
+    slow_seat_s=S              the worker sleeps S seconds before it reserves seats (a move's seat that comes late)
 
 The KV of a prompt with token T on its way (the middle part is the one numbered parts // 2):
 
@@ -73,6 +74,14 @@ def install(worker) -> None:
             return step()
 
         worker.engine.step = slow_step
+    if "slow_seat_s" in faults:
+        pause, reserve = faults["slow_seat_s"], worker._reserve
+
+        def slow_reserve(msg):
+            time.sleep(pause)
+            return reserve(msg)
+
+        worker._reserve = slow_reserve
     if {"ignore_request_on_token", "bad_stats_on_token", "hang_on_token"} & faults.keys():
         handle = worker.handle
         ignore = int(faults.get("ignore_request_on_token", -1))

@@ -255,17 +255,19 @@ class Worker:
         hears so (its seat goes back) and the main process gets `move_refused`."""
         peer = self.peers.get(msg.reader)
         seq = self.engine.scheduler.find(msg.key)
-        problem = None
+        problem, outgrown_at = None, None
         if peer is None:
             problem = f"worker {msg.reader} is not known here"
         elif seq is None or seq.is_finished or self.outgoing.get(msg.key) is not None:
             problem = "the request is not running here"
         elif blocks_for(seq.num_tokens + 1, self.engine.blocks.block_size) > len(msg.seat):
             problem = f"the request ({seq.num_tokens} tokens) outgrew its seat of {len(msg.seat)} blocks"
+            outgrown_at = seq.num_tokens
         if problem is not None:
             if peer is not None:
                 self.sender.cancel(msg.key, peer, f"the move was refused: {problem}")
-            self.send(m.Event(msg.key, self.id, "move_refused", time.time(), {"to": msg.reader, "reason": problem}))
+            self.send(m.Event(msg.key, self.id, "move_refused", time.time(),
+                              {"to": msg.reader, "reason": problem, "outgrown_at": outgrown_at}))  # fmt: skip
             return
         now = self.engine.start_move(msg.key)
         stage = Stage.DECODING if now else Stage.PREFILLING
