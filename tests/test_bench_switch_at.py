@@ -17,8 +17,9 @@ from minipd.bench.switching import analyse, parse_switch_at, split_intervals, sw
 from tests.helpers import serving
 from tests.test_bench_cli import StandInServer
 
-DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None, "kv_link_latency_ms": 0,
-          "local_prefill_tokens": 0}
+LINK = {"kv_link_gbps": None, "kv_link_latency_ms": 0}
+DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "chunk_tokens": 512, "local_prefill_tokens": 0,
+          **LINK}  # fmt: skip
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -27,13 +28,13 @@ DISAGG = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_
 def test_parse_switch_at_uses_the_modes_syntax():
     assert parse_switch_at("1:disagg:1p1d,2.5:colocated, 4:chunked:64") == [
         (1.0, "disagg:1p1d", DISAGG),
-        (2.5, "colocated", {"mode": "colocated", "workers": None}),
-        (4.0, "chunked:64", {"mode": "chunked", "chunk_tokens": 64, "workers": None}),
+        (2.5, "colocated", {"mode": "colocated", "workers": None, **LINK}),
+        (4.0, "chunked:64", {"mode": "chunked", "chunk_tokens": 64, "workers": None, **LINK}),
     ]
     assert parse_switch_at("0:disagg:2p1d")[0][2]["prefill_workers"] == 2
     assert parse_switch_at("1:disagg")[0][2] == DISAGG  # the default split, as --modes
     assert parse_switch_at("1:chunked", drain=True) == [
-        (1.0, "chunked", {"mode": "chunked", "chunk_tokens": 512, "workers": None, "drain": True})
+        (1.0, "chunked", {"mode": "chunked", "chunk_tokens": 512, "workers": None, **LINK, "drain": True})
     ]
 
 
@@ -382,3 +383,21 @@ def test_a_disagg_mode_with_a_local_prefill_threshold_parses_and_a_bad_one_is_na
     assert parse_mode("disagg:2p1d")[1]["local_prefill_tokens"] == 0
     with pytest.raises(ValueError, match="localN"):
         parse_mode("disagg:1p1d:lokal5")
+
+
+def test_every_mode_bench_sets_spells_out_every_setting_so_no_run_inherits_the_one_before():
+    """Defect (found reading the code): a disagg run after chunked:64 in one `--modes` list kept
+    chunk_tokens 64 (its decode workers read local prompts in chunks of it), and a colocated run
+    after a link study kept the emulated link (moves cross it). Each body, read by the server's own
+    rule against a server left in odd settings, gives the mode it gives on a fresh server."""
+    from minipd.bench.experiment import parse_modes
+    from minipd.server.modes import DEFAULT_MODE, Mode, requested_mode
+
+    left_over = [Mode("chunked", chunk_tokens=64, workers=1, kv_link_gbps=3.0, kv_link_latency_ms=5.0),
+                 Mode("disagg", 2, 1, 64, local_prefill_tokens=99, kv_link_gbps=1.0, kv_link_latency_ms=2.0)]  # fmt: skip
+    for label, body in parse_modes("colocated,chunked,chunked:64,disagg,disagg:2p1d,disagg:1p1d:local256"):
+        fresh = requested_mode(body, DEFAULT_MODE)
+        assert all(requested_mode(body, cur) == fresh for cur in left_over), label
+    for _, _, body in parse_switch_at("1:chunked:64,2:disagg:1p1d,3:colocated"):
+        fresh = requested_mode(body, DEFAULT_MODE)
+        assert all(requested_mode(body, cur) == fresh for cur in left_over), body

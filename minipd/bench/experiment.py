@@ -40,20 +40,28 @@ class Settings:
     phases: tuple[str, ...] = PHASES  # the phases workload's
 
 
-RESTORED_DEFAULTS = {"colocated": {"workers": None}, "chunked": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "workers": None},
-                     "disagg": {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": DEFAULT_CHUNK_TOKENS,
-                                "local_prefill_tokens": 0}}  # fmt: skip
+# Every /admin/mode setting of each mode, at its default (the emulated link applies in all: moves cross
+# it). A body bench sends spells them all out: the server keeps an omitted one from the mode before.
+MODE_DEFAULTS = {"colocated": {"workers": None}, "chunked": {"chunk_tokens": DEFAULT_CHUNK_TOKENS, "workers": None},
+                 "disagg": {"prefill_workers": 1, "decode_workers": 1, "chunk_tokens": DEFAULT_CHUNK_TOKENS,
+                            "local_prefill_tokens": 0}}  # fmt: skip
+LINK_DEFAULTS = {"kv_link_gbps": None, "kv_link_latency_ms": 0}
+
+
+def mode_body(name: str, **settings) -> dict:
+    """The /admin/mode body of mode `name` with `settings`, every other setting at its default."""
+    return {"mode": name, **MODE_DEFAULTS[name], **LINK_DEFAULTS, **settings}
 
 
 def mode_to_restore(target) -> dict | None:
     """The /admin/mode body that brings a server of the user's own back to the mode bench found it in,
     every setting spelled out (one left out would keep what the last run set); None if it cannot say."""
     status, report = target.get("/admin/mode")
-    if status != 200 or not isinstance(report, dict) or report.get("mode") not in RESTORED_DEFAULTS:
+    if status != 200 or not isinstance(report, dict) or report.get("mode") not in MODE_DEFAULTS:
         return None
     if report.get("auto"):
         return {"mode": "auto"}
-    body = {"mode": report["mode"], **RESTORED_DEFAULTS[report["mode"]], "kv_link_gbps": None, "kv_link_latency_ms": 0}
+    body = mode_body(report["mode"])
     return {**body, **{k: v for k, v in report.items() if k in body}}
 
 
@@ -75,11 +83,11 @@ def parse_mode(item: str) -> tuple[str, dict]:
     chooses and switches live; see run_once) or server (the server's own) -> (label, body)."""
     name, _, variant = item.partition(":")
     if name == "colocated":
-        return item, {"mode": "colocated", "workers": None}
+        return item, mode_body("colocated")
     if name == "chunked":
         if variant and not (variant.isdigit() and int(variant) > 0):
             raise ValueError(f"bad mode {item!r}: chunked:TOKENS needs a positive whole number of tokens")
-        return item, {"mode": "chunked", "chunk_tokens": int(variant or 512), "workers": None}
+        return item, mode_body("chunked", chunk_tokens=int(variant or DEFAULT_CHUNK_TOKENS))
     if name == "disagg":
         variant, _, local = variant.partition(":")
         split = re.fullmatch(r"(\d+)p(\d+)d?", (variant or "1p1d").lower())
@@ -90,9 +98,8 @@ def parse_mode(item: str) -> tuple[str, dict]:
         if local and threshold is None:
             raise ValueError(f"bad mode {item!r}: disagg:PpDd:localN prefills prompts under N tokens on their "
                              "decode worker (e.g. disagg:1p1d:local256)")  # fmt: skip
-        return item, {"mode": "disagg", "prefill_workers": int(split[1]), "decode_workers": int(split[2]),
-                      "kv_link_gbps": None, "kv_link_latency_ms": 0,
-                      "local_prefill_tokens": int(threshold[1]) if threshold else 0}  # fmt: skip
+        return item, mode_body("disagg", prefill_workers=int(split[1]), decode_workers=int(split[2]),
+                               local_prefill_tokens=int(threshold[1]) if threshold else 0)  # fmt: skip
     if name == "auto":
         if variant:
             raise ValueError(f"bad mode {item!r}: auto takes no options (the advisor chooses them; the server's "

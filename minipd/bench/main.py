@@ -232,12 +232,12 @@ def run(argv=None) -> int:
                     print(f"goodput {name} {label}: {at_least(found)}{found['goodput_rate']:.2f} req/s "
                           f"({found['goodput_per_worker']:.2f} per worker)", file=sys.stderr)  # fmt: skip
             for gbps in links if target.is_minipd else []:
-                body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": gbps}
+                body = ex.mode_body("disagg", kv_link_gbps=gbps)
                 link_runs.append(ex.run_once(target, name, f"disagg@{gbps:g}Gb/s", body, rates[0], settings, link=gbps))
                 _say(link_runs[-1])
         if (target.is_minipd and not args.switches and any(b.get("mode") == "disagg" for _, b in modes)
                 and target.num_workers >= 2):  # fmt: skip
-            body = {"mode": "disagg", "prefill_workers": 1, "decode_workers": 1, "kv_link_gbps": None}
+            body = ex.mode_body("disagg")
             notes["admission"] = ex.admission_probe(target, settings, body)
         if args.plan and target.is_minipd:
             notes["plan"] = _plan_and_run(target, args, settings, runs)
@@ -310,9 +310,8 @@ def _plan_and_run(target, args, settings, runs) -> dict:
         fleet = plan.recommend(profile, plan.Traffic(traffic.rate * 4, traffic.prompt_tokens, traffic.output_tokens),
                                8, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)  # fmt: skip
         best = here["best"]
-        body = ({"mode": "colocated", "workers": None} if best["split"] == "colocated" else
-                {"mode": "disagg", "prefill_workers": best["prefill"], "decode_workers": best["decode"],
-                 "kv_link_gbps": None})  # fmt: skip
+        body = (ex.mode_body("colocated") if best["split"] == "colocated" else
+                ex.mode_body("disagg", prefill_workers=best["prefill"], decode_workers=best["decode"]))
         checked = ex.run_once(target, name, f"plan: {best['split']}", body, traffic.rate, settings, plan=True)
         runs.append(checked)
         s = checked["summary"]
