@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from minipd.server.app import Api
-from minipd.server.errors import Conflict, InvalidRequest
+from minipd.server.errors import Conflict, InvalidRequest, Unavailable
 from minipd.server.metrics import Metrics
 from minipd.server.modes import Mode, requested_mode
 from minipd.server.router import Router
@@ -26,9 +26,13 @@ class Pool:
             SimpleNamespace(**up, worker_id=i, restarts=[], num_restarts=0, exit_cause=None, info=None, stats=None) for i in range(2)
         ]
         self.sent = []
+        self.silent = {}  # worker id -> seconds it has shown no sign of life
 
     def peers(self) -> dict:
         return {}
+
+    def hung_for(self, w, now: float) -> float:
+        return self.silent.get(w.worker_id, 0.0)
 
     def send(self, worker_id: int, msg) -> None:
         self.sent.append((worker_id, msg))
@@ -366,3 +370,35 @@ def test_an_unknown_mode_is_refused_naming_every_mode_a_switch_may_ask_for():
     with pytest.raises(InvalidRequest, match="auto"):
         requested_mode({"mode": "bogus"}, Mode())
 
+
+
+@pytest.mark.asyncio
+async def test_a_switch_is_refused_at_once_while_a_worker_shows_no_sign_of_life():
+    """Defect (a hostile-client helper): with a worker stopped by SIGSTOP, POST /admin/mode closed the
+    door to new requests and waited for that worker's answer until --worker-timeout replaced it (a
+    minute). It is refused at once now, naming the worker, and nothing changes."""
+    router = serving_router()
+    router.pool.silent[1] = 12.0
+    serving = router.serving.is_set()
+    with pytest.raises(Unavailable, match=r"worker 1 .*12 s"):
+        await asyncio.wait_for(router.set_mode(Mode("disagg", 1, 1)), 1.0)
+    assert router.pool.sent == [] and router.mode == Mode() and router.serving.is_set() == serving
+    assert "worker 1" in router.switcher.last["error"]
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_goes_silent_during_a_switch_undoes_it_without_waiting_for_the_ack_timeout():
+    router = serving_router()
+    pool = router.pool
+    switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    sent, pool.sent = pool.sent, []
+    router.switcher.on_ack(m.ModeSet(0, sent[0][1].role, sent[0][1].policy))
+    pool.silent[1] = 6.0  # stopped before it answered
+    while len(pool.sent) < len(pool.workers):  # the old roles go back, without waiting minutes
+        await asyncio.wait_for(asyncio.sleep(0.01), 2.0)
+    router.switcher.on_ack(m.ModeSet(0, pool.sent[0][1].role, pool.sent[0][1].policy))
+    with pytest.raises(Unavailable, match="worker 1"):
+        await asyncio.wait_for(switch, 2.0)
+    assert router.mode == Mode() and [w.role for w in pool.workers] == ["both", "both"] and router.serving.is_set()

@@ -90,6 +90,26 @@ async def test_a_hung_worker_is_killed_and_replaced():
         assert "SIGKILL" in s.get("/admin/workers")[1]["workers"][1]["exit_cause"]
 
 
+def test_a_mode_switch_is_refused_at_once_while_a_worker_is_stopped_and_works_once_it_is_back():
+    """Defect (a hostile-client helper): with a worker stopped by SIGSTOP, POST /admin/mode waited
+    for it until --worker-timeout replaced it (a minute), new requests held at the door meanwhile."""
+    with serving(*TINY, "--workers", "2") as s:
+        pid = s.worker_pid(1)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_for_health(s, "degraded", timeout=15)
+            started = time.monotonic()
+            status, err = s.post("/admin/mode", {"mode": "disagg"})
+            assert status == 503 and "worker 1 has shown no sign of life" in err["error"]["message"], err
+            assert time.monotonic() - started < 3
+            assert s.get("/admin/mode")[1]["mode"] == "colocated"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for_health(s, "ok", timeout=15)
+        assert s.post("/admin/mode", {"mode": "disagg"})[0] == 200
+        assert s.worker_pid(1) == pid
+
+
 def test_a_step_longer_than_the_worker_timeout_is_not_taken_for_a_hang():
     """Defect: a worker said nothing while it stepped, so a long prompt on a slow CPU (5,000 tokens
     on one thread with --worker-timeout 3) got its worker killed, four times, and a 500."""

@@ -38,6 +38,9 @@ class FakePool:
     def peers(self) -> dict:
         return {}
 
+    def hung_for(self, w: WorkerHandle, now: float) -> float:
+        return 0.0  # every worker answers at once
+
     def taken(self, kind: type) -> list[tuple[int, object]]:
         """The messages of a kind sent since the last call."""
         out = [(w, msg) for w, msg in self.sent if isinstance(msg, kind)]

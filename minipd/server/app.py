@@ -25,6 +25,7 @@ from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply, choice_params, deltas_of
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable, shown
 from minipd.server.metrics import CONTENT_TYPE
+from minipd.server.worker_pool import unresponsive
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, BodyCutShort, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
 from minipd.server.modes import INTEGER_SETTINGS, LINK_SETTINGS, check_whatever_it_meets, requested_mode
@@ -41,7 +42,6 @@ CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
 MAX_BODY_LIMIT = 16 * 2**20
-UNRESPONSIVE_S = 5.0  # a worker heard from (heartbeats every 0.5 s) this long ago is named by /health
 MAX_DETOKENIZE_TOKENS = 131_072  # 16 contexts of the default model (1.4 million made a 114 MB reply)
 BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
@@ -485,10 +485,8 @@ class Api:
             causes = [w.exit_cause for w in r.pool.workers if w.state != "up"]
             return web.json_response({"status": "degraded", "restarting_workers": restarting, "causes": causes,
                                       "mode": r.mode.name})  # fmt: skip
-        now = time.monotonic()
-        silent = {w.worker_id: r.pool.hung_for(w, now) for w in r.pool.workers}
-        silent = {wid: s for wid, s in silent.items() if s > UNRESPONSIVE_S}
-        if silent:  # stopped or stuck: --worker-timeout replaces it; meanwhile a switch waits for its answer
+        silent = unresponsive(r.pool, r.pool.workers)
+        if silent:  # stopped or stuck: --worker-timeout replaces it; meanwhile a switch is refused
             return web.json_response({"status": "degraded", "unresponsive_workers": list(silent),
                                       "silent_seconds": [round(s, 1) for s in silent.values()], "mode": r.mode.name})  # fmt: skip
         return web.json_response({"status": "ok", "mode": r.mode.name})

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from minipd.server.errors import Conflict, InvalidRequest, Unavailable, shown
 from minipd.server.moves import summary
+from minipd.server.worker_pool import unresponsive
 from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.modes")
@@ -147,6 +148,9 @@ def check_whatever_it_meets(body: dict, num_workers: int) -> None:
     raise errors[0]
 
 
+ACK_POLL_S = 0.25  # how often a switch waiting for the workers' answers looks for one gone silent
+
+
 class ModeSwitcher:
     """A switch is one transaction, owned by the server (a client that gives up does not stop it):
     the door closes for new requests, every worker gets its role and acknowledges it, the router
@@ -184,6 +188,14 @@ class ModeSwitcher:
                 return self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
                                      "started": started, "seconds": 0.0, "requests_in_flight": len(r.requests),
                                      "note": "the server already serves in this mode: nothing changed"})  # fmt: skip
+            silent = unresponsive(r.pool, [w for w in r.pool.workers if w.alive]) if r.ready else {}
+            if silent:
+                error = "; ".join(f"worker {wid} has shown no sign of life for {s:.0f} s" for wid, s in silent.items())
+                self._record({"from": old.as_dict(), "to": mode.as_dict(), "changed": False, "drain": drain,
+                              "started": started, "seconds": 0.0, "error": error})  # fmt: skip
+                raise Unavailable(f"the mode switch was not started: {error} (stopped or stuck; --worker-timeout "
+                                  "replaces it, /health names it) and the switch would wait for its answer. "
+                                  "Try again once it answers")  # fmt: skip
             roles, old_roles = assign_roles(mode, r.pool.workers), [w.role for w in r.pool.workers]
             r.target = mode
             r.events.publish({"type": "mode", "phase": "drain" if drain else "switch", "time": started,
@@ -260,12 +272,15 @@ class ModeSwitcher:
         for w in up:
             r.pool.send(w.worker_id, m.SetMode(_engine_role(roles[w.worker_id]), mode.policy(roles[w.worker_id]), mode.chunk_tokens, peers,
                                                [mode.kv_link_gbps, mode.kv_link_latency_ms]))  # fmt: skip
-        done = set()
-        if self.acks:
-            done, _ = await asyncio.wait(self.acks.values(), timeout=self.ack_timeout)
+        deadline, silent = loop.time() + self.ack_timeout, {}
+        while not silent and loop.time() < deadline and not all(f.done() for f in self.acks.values()):
+            await asyncio.wait(self.acks.values(), timeout=min(ACK_POLL_S, max(0.0, deadline - loop.time())))
+            silent = unresponsive(r.pool, [r.pool.workers[wid] for wid, f in self.acks.items() if not f.done()])
         errors = []
         for wid, fut in self.acks.items():
-            if fut not in done:
+            if wid in silent:
+                errors.append(f"worker {wid} stopped answering (no sign of life for {silent[wid]:.0f} s)")
+            elif not fut.done():
                 errors.append(f"worker {wid} did not answer within {self.ack_timeout:g} s")
             elif fut.result() is not None:
                 errors.append(fut.result())

@@ -25,6 +25,17 @@ from minipd.workers.launch import WorkerSpec, run_worker
 log = logging.getLogger("minipd.pool")
 
 
+UNRESPONSIVE_S = 5.0  # a worker that has shown no sign of life (heartbeats every 0.5 s) this long is named
+
+
+def unresponsive(pool, workers) -> dict[int, float]:
+    """Worker id -> seconds without a sign of life, for those of `workers` silent past UNRESPONSIVE_S
+    (/health says degraded, and a mode switch does not wait on them)."""
+    now = time.monotonic()
+    silent = {w.worker_id: pool.hung_for(w, now) for w in workers}
+    return {wid: s for wid, s in silent.items() if s > UNRESPONSIVE_S}
+
+
 @dataclass(slots=True)
 class WorkerHandle:
     worker_id: int
