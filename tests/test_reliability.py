@@ -92,7 +92,8 @@ async def test_a_hung_worker_is_killed_and_replaced():
 
 def test_a_mode_switch_is_refused_at_once_while_a_worker_is_stopped_and_works_once_it_is_back():
     """Defect (a hostile-client helper): with a worker stopped by SIGSTOP, POST /admin/mode waited
-    for it until --worker-timeout replaced it (a minute), new requests held at the door meanwhile."""
+    for it until --worker-timeout replaced it (a minute), new requests held at the door meanwhile; and
+    half the new requests were placed on the stopped worker, to wait for its replacement too."""
     with serving(*TINY, "--workers", "2") as s:
         pid = s.worker_pid(1)
         os.kill(pid, signal.SIGSTOP)
@@ -103,6 +104,10 @@ def test_a_mode_switch_is_refused_at_once_while_a_worker_is_stopped_and_works_on
             assert status == 503 and "worker 1 has shown no sign of life" in err["error"]["message"], err
             assert time.monotonic() - started < 3
             assert s.get("/admin/mode")[1]["mode"] == "colocated"
+            for _ in range(4):  # new requests go to the worker that answers, not to wait for a replacement
+                started = time.monotonic()
+                status, body = completion(s, [1, 2], max_tokens=2)
+                assert status == 200 and time.monotonic() - started < 5, body
         finally:
             os.kill(pid, signal.SIGCONT)
         wait_for_health(s, "ok", timeout=15)

@@ -27,6 +27,7 @@ class FakePool:
                         for i, role in enumerate(roles)]  # fmt: skip
         self.sent: list[tuple[int, object]] = []
         self.spec_defaults = {"seat_timeout": 300.0}
+        self.silent: dict[int, float] = {}  # worker id -> seconds it has shown no sign of life
 
     def send(self, worker_id: int, msg) -> bool:
         self.sent.append((worker_id, msg))
@@ -39,7 +40,7 @@ class FakePool:
         return {}
 
     def hung_for(self, w: WorkerHandle, now: float) -> float:
-        return 0.0  # every worker answers at once
+        return self.silent.get(w.worker_id, 0.0)
 
     def taken(self, kind: type) -> list[tuple[int, object]]:
         """The messages of a kind sent since the last call."""
@@ -353,3 +354,28 @@ def test_the_finished_timelines_kept_are_bounded_by_their_token_times_too():
         router.requests[short.request_id] = short
         router._end(short, "stop")
     assert router.timeline("s499") is None and router.timeline("s500") is not None and len(router.finished) == 2000
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode,roles", [(Mode(), ["both", "both", "both"]),
+                                        (Mode("disagg", 1, 2), ["prefill", "decode", "decode"])])  # fmt: skip
+async def test_a_new_request_is_not_placed_on_a_worker_that_shows_no_sign_of_life(mode, roles):
+    """Defect (a live-traffic pass): a worker stopped by SIGSTOP still got its share of new requests
+    (the least loaded, it seemed), each frozen until --worker-timeout replaced the worker a minute later.
+    Placements and seats go to the workers that answer; the silent one only if there is no other."""
+    pool = FakePool(roles)
+    router = serving_router(pool)
+    router.mode = mode
+    pool.silent[1] = 12.0
+    for i in range(4):
+        router.submit(f"r{i}", [1, 2], SamplingParams(max_tokens=3))
+        if mode.name == "disagg":
+            [(w, ask)] = await sent(pool, m.ReserveSeats)
+            assert w == 2, w
+            router.on_message(m.SeatsReserved(ask.batch, w, [[seat[0], [i]] for seat in ask.seats]))
+        [(w, add)] = await sent(pool, m.AddRequest)
+        assert w != 1 and add.reader in (None, 2), (w, add)
+    if mode.name == "colocated":  # every worker silent: placed all the same (the supervisor decides)
+        pool.silent = {0: 9.0, 1: 9.0, 2: 9.0}
+        router.submit("last", [1, 2], SamplingParams(max_tokens=3))
+        assert len(await sent(pool, m.AddRequest)) == 1

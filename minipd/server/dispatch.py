@@ -11,6 +11,7 @@ import time
 
 from minipd.engine.block_manager import blocks_for
 from minipd.server.request_state import Placement, RequestState
+from minipd.server.worker_pool import unresponsive
 from minipd.workers import messages as m
 
 log = logging.getLogger("minipd.dispatch")
@@ -101,11 +102,14 @@ class Dispatcher:
         return True
 
     async def _pick(self, state: RequestState, role: str):
-        """The least loaded live worker of the role; waits while one is being restarted."""
+        """The least loaded live worker of the role, among those that show signs of life if any
+        does; waits while one is being restarted."""
         r = self.router
         while True:
             live = r.pool.with_role(role)
             if live:
+                silent = unresponsive(r.pool, live)
+                live = [w for w in live if w.worker_id not in silent] or live
                 turn, n = self.next_turn.get(role, 0), len(r.pool.workers)
                 w = min(live, key=lambda w: (r.load(w.worker_id), (w.worker_id - turn) % n))
                 self.next_turn[role] = w.worker_id + 1

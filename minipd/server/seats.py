@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from minipd.engine.block_manager import blocks_for
+from minipd.server.worker_pool import unresponsive
 from minipd.workers import messages as m
 
 MAX_BATCH = 64
@@ -69,6 +70,8 @@ class SeatBroker:
         n = len(self.pool.workers)
         seating = sorted((w for w in self.pool.workers if w.alive and w.role in roles and not w.draining),
                          key=lambda w: (self.load(w.worker_id), (w.worker_id - self.turn) % n))  # fmt: skip
+        silent = unresponsive(self.pool, seating)  # a stopped worker would sit on its batch until it is replaced
+        seating = [w for w in seating if w.worker_id not in silent] or seating
         if seating:
             self.turn = seating[0].worker_id + 1
         for w in seating:
