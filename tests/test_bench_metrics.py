@@ -165,3 +165,18 @@ def test_results_round_trip_report_and_plots(tmp_path):
     assert "| disagg | 2.00 | 4 / 1 |" in md and "80%" in md
     assert "[link_study.png](link_study.png)" in md
     assert all((tmp_path / n).stat().st_size > 1000 for n in names)
+
+
+def test_the_report_lists_the_modes_in_the_order_they_were_given(tmp_path):
+    """Defect (a new-user pass): `--modes colocated,chunked,disagg` gave tables in alphabetical order
+    (chunked first), not the order the user asked for and the runs were made in."""
+    from minipd.bench.report import write_report_md, write_results, load_results
+
+    runs = [{"workload": "chat", "mode": mode, "rate": rate, "seed": 0, "duration": 2.0,
+             "records": [rec(i, 0.1, [0.02, 0.03]) for i in range(3)]}
+            for mode in ("colocated", "chunked:64", "disagg:1p1d") for rate in (2.0, 1.0)]  # fmt: skip
+    md = write_report_md(tmp_path, load_results(write_results(tmp_path, runs)), "t", "cmd").read_text()
+    rows = [line.split("|")[1:3] for line in md.splitlines() if line.startswith("| ") and "req/s" not in line]
+    assert [(m.strip(), r.strip()) for m, r in rows] == [
+        ("colocated", "1.00"), ("colocated", "2.00"), ("chunked:64", "1.00"), ("chunked:64", "2.00"),
+        ("disagg:1p1d", "1.00"), ("disagg:1p1d", "2.00")]

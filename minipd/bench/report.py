@@ -329,9 +329,10 @@ def write_report_md(out_dir: str | Path, runs: list[dict], title: str, command: 
     workloads = list(dict.fromkeys(str(r.get("workload", "-")) for r in runs))
     head = ("| mode | rate (req/s) | done / failed | req/s | out tok/s | TTFT p50 / p99 (ms) "
             "| TPOT p50 / p99 (ms) | goodput (req/s) | SLO attainment |")  # fmt: skip
+    order = {label: i for i, label in enumerate(dict.fromkeys(label_of(r) for r in runs))}  # as --modes gave them
     for w in workloads:
         group = sorted((r for r in runs if str(r.get("workload", "-")) == w),
-                       key=lambda r: (label_of(r), r["rate"], r.get("repeat", 0)))  # fmt: skip
+                       key=lambda r: (order[label_of(r)], r["rate"], r.get("repeat", 0)))  # fmt: skip
         repeated = any(r.get("repeat", 0) > 0 for r in group)
         s0 = summary_of(group[0])
         slo = ", ".join(f"{n} {s0[k]:g} ms" for n, k in (("TTFT", "slo_ttft_ms"), ("TPOT", "slo_tpot_ms"),
