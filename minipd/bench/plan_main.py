@@ -128,7 +128,7 @@ def simulated_splits(profile, args, num_workers: int) -> str:
              "| split | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | SLO attainment |", "|---|---|---|---|"]  # fmt: skip
     for label, sm in rows:
         lines.append(f"| {label} | {sm['median_ttft_ms'] or 0:.0f} / {sm['p90_ttft_ms'] or 0:.0f} | "
-                     f"{sm['median_tpot_ms'] or 0:.1f} / {sm['p90_tpot_ms'] or 0:.1f} | {sm['slo_attainment'] or 0:.0%} |")  # fmt: skip
-    lines += ["", f"Recommended by the simulator: **{best[0]}** ({best[1]['slo_attainment'] or 0:.0%} of requests within "
-              "both SLOs)."]  # fmt: skip
+                     f"{sm['median_tpot_ms'] or 0:.1f} / {sm['p90_tpot_ms'] or 0:.1f} | {sm['slo_attainment'] or 0:.1%} |")  # fmt: skip
+    lines += ["", f"Recommended by the simulator: **{best[0]}** ({best[1]['slo_attainment'] or 0:.1%} of requests within "
+              "both SLOs; a tie goes to the lower TTFT p90)."]  # fmt: skip
     return "\n".join(lines)
