@@ -771,3 +771,32 @@ def test_a_candidate_the_replay_cannot_run_is_scored_as_failing_and_the_window_s
     assert all(row["goodput"] == 0.0 and "OutOfBlocks" in row["error"] for row in failed)
     assert any("error" not in row and row["goodput"] > 0 for row in entry["predictions"])
     assert a.entries[-1] is entry and entry["decision"]
+
+
+def _closed(a, here_goodput: float, other_goodput: float, credited: float | None, rate: float) -> dict:
+    """The advisor's decision on two canned predictions, with the current mode's measured credit."""
+    here = {"label": "colocated", "mode": {"name": "colocated"}, "goodput": here_goodput, "slo_attainment": 1.0,
+            "slo_margin": 1.0}  # fmt: skip
+    other = {"label": "chunked:512", "mode": {"name": "chunked", "chunk_tokens": 512}, "goodput": other_goodput,
+             "slo_attainment": 1.0, "slo_margin": 1.0}  # fmt: skip
+    a._measured_credit = lambda entry, row: credited
+    return a._close({"time": time.time(), "traffic": {"rate": rate}, "predictions": [here, other]})
+
+
+def test_a_stay_says_the_reason_that_held_and_names_no_candidate_the_replay_ranks_behind():
+    """Defect (a hostile-client helper, --mode auto): colocated measured 1.81 req/s, the replay put it at
+    4.00 and chunked:512 at 3.67; the advisor stayed, rightly, but said "chunked:512 is predicted only
+    ... +102% (threshold 30% ...)", a gain above the threshold it quoted, and recorded chunked:512 as
+    `best` with a predicted gain of 102%. Over a measured 0.00 it said "only ... 0.40 req/s" with a
+    predicted gain of 4545%, where the reason was a gain under 10% of the traffic offered."""
+    _, a = advisor_with()
+    got = _closed(a, here_goodput=4.0, other_goodput=3.67, credited=1.81, rate=4.67)
+    assert got.get("switch_to") is None and got["best"] == "colocated" and got["predicted_gain"] == 0.0, got
+    assert "replay ranks colocated ahead" in got["decision"] and "only" not in got["decision"], got["decision"]
+    got = _closed(a, here_goodput=0.40, other_goodput=0.40 * 1.05, credited=None, rate=1.0)  # 5% ahead: too close
+    assert got.get("switch_to") is None and "only" in got["decision"] and "threshold" in got["decision"], got["decision"]
+    got = _closed(a, here_goodput=0.05, other_goodput=0.40, credited=0.0, rate=4.67)
+    assert got.get("switch_to") is None and got["best"] == "chunked:512", got
+    assert "of the 4.67 req/s offered" in got["decision"] and "only" not in got["decision"], got["decision"]
+    got = _closed(a, here_goodput=1.0, other_goodput=2.0, credited=None, rate=2.0)  # a real lead: one window
+    assert got["decision"].startswith("wait") and got["best"] == "chunked:512", got["decision"]

@@ -312,7 +312,8 @@ class Advisor:
         best = max(rows[1:] or rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
         rate = entry["traffic"]["rate"]
         gain = (best["goodput"] - here_goodput) / max(here_goodput, 1e-3 * rate)
-        leads = best["goodput"] > here_goodput and best["label"] != here["label"]
+        # a candidate leads where it beats the current mode as judged and as the replay predicts it
+        leads = best["goodput"] > max(here_goodput, here["goodput"]) and best["label"] != here["label"]
         entry.update(best=best["label"] if leads else here["label"], predicted_gain=gain if leads else 0.0)
         said = "measured" if credited is not None else "predicted"
         change = f"{here_goodput:.2f} ({said}) -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here_goodput > 0 else "")
@@ -328,11 +329,19 @@ class Advisor:
         early = entry.get("due") == "early"  # a few seconds chosen because they fail: not a window of its own
         decisive = cfg.decisive_gain if credited is None else cfg.credited_decisive_gain
         self.behind = 0 if not behind else self.behind + (0 if early else 1)
-        if not leads:
+        if not leads and best["goodput"] > here_goodput and best["label"] != here["label"]:
+            entry["decision"] = (f"stay: the replay ranks {here['label']} ahead ({here['goodput']:.2f} against "
+                                 f"{best['label']}'s {best['goodput']:.2f} req/s), though it {said} "
+                                 f"{here_goodput:.2f}: the same traffic would hold {best['label']} back too")  # fmt: skip
+        elif not leads:
             entry["decision"] = f"stay: {here['label']} is predicted best"
+        elif not behind and (not ahead or gain <= margin):
+            entry["decision"] = (f"stay: {best['label']} is predicted only {change} (threshold {margin:.0%}"
+                                 + (f" over {here['label']}'s {said} figure" if ahead else
+                                    f" over the replay's {here['goodput']:.2f} for {here['label']}") + ")")  # fmt: skip
         elif not behind:
-            entry["decision"] = (f"stay: {best['label']} is predicted only {change} (threshold {margin:.0%}, "
-                                 f"and {cfg.min_gain:.0%} of the {rate:.2f} req/s offered)")  # fmt: skip
+            entry["decision"] = (f"stay: {best['label']} is predicted {change}, less than {cfg.min_gain:.0%} "
+                                 f"of the {rate:.2f} req/s offered")  # fmt: skip
         elif (self.behind < 2 or early) and gain <= decisive:
             entry["decision"] = (f"wait: {best['label']} is predicted {change}; switching if {here['label']} is "
                                  "predicted behind again")  # fmt: skip
