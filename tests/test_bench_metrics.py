@@ -170,7 +170,7 @@ def test_results_round_trip_report_and_plots(tmp_path):
 def test_the_report_lists_the_modes_in_the_order_they_were_given(tmp_path):
     """Defect (a new-user pass): `--modes colocated,chunked,disagg` gave tables in alphabetical order
     (chunked first), not the order the user asked for and the runs were made in."""
-    from minipd.bench.report import write_report_md, write_results, load_results
+    from minipd.bench.report import load_results, write_report_md, write_results
 
     runs = [{"workload": "chat", "mode": mode, "rate": rate, "seed": 0, "duration": 2.0,
              "records": [rec(i, 0.1, [0.02, 0.03]) for i in range(3)]}

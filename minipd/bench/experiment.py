@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from minipd.bench import phases as ph
 from minipd.bench.client import load_or_interrupt, run_interruptible, run_load
 from minipd.bench.metrics import RequestRecord, distserve_goodput, per_worker, summarize
-from minipd.server.modes import DEFAULT_CHUNK_TOKENS
 from minipd.bench.switching import analyse, switch_on_schedule
 from minipd.bench.target import Target
 from minipd.bench.workloads import PHASES, BenchRequest, make_workload, phase_spans
+from minipd.server.modes import DEFAULT_CHUNK_TOKENS
 
 AUTO = {"mode": "auto"}  # POST /admin/mode: the server's advisor chooses the mode from now on
 AUTO_STARTS_IN = {"mode": "colocated", "workers": None}  # as `serve --mode auto` starts

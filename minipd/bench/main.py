@@ -18,7 +18,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from minipd.cli_help import DefaultsFormatter, listed, make_writable_folder, nonnegative_int, positive_float, positive_int, server_url
+from minipd.cli_help import (
+    DefaultsFormatter,
+    listed,
+    make_writable_folder,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    server_url,
+)
 
 
 def add_traffic_args(g) -> None:
@@ -332,9 +340,8 @@ def _one_decoder_batch(plan, profile, traffic, rate: float) -> float:
 
 
 def _extra_sections(args, runs, searches, link_runs, notes, report) -> str:
-    from minipd.bench.metrics import at_least
-
     from minipd.bench import experiment as ex
+    from minipd.bench.metrics import at_least
 
     out = []
     phase_text = report.phase_tables_by_repeat(runs)

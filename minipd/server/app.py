@@ -24,13 +24,13 @@ from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply, choice_params, deltas_of
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable, shown
-from minipd.server.metrics import CONTENT_TYPE
-from minipd.server.worker_pool import unresponsive
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, BodyCutShort, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
+from minipd.server.metrics import CONTENT_TYPE
 from minipd.server.modes import INTEGER_SETTINGS, LINK_SETTINGS, check_whatever_it_meets, requested_mode
 from minipd.server.protocol import ApiError
 from minipd.server.router import Router
+from minipd.server.worker_pool import unresponsive
 
 log = logging.getLogger("minipd.api")
 STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "invalid_request_error"),
