@@ -45,6 +45,16 @@ def serving_router(pool: Pool | None = None) -> Router:
     return router
 
 
+async def switch_sent(router: Router, mode: Mode) -> tuple[asyncio.Future, list]:
+    """A switch started, once every worker was sent its role: (the switch, what was sent)."""
+    pool = router.pool
+    switch = asyncio.ensure_future(router.set_mode(mode))
+    while len(pool.sent) < len(pool.workers):
+        await asyncio.sleep(0)
+    sent, pool.sent = pool.sent, []
+    return switch, sent
+
+
 async def reported(api: Api) -> dict:
     mode = json.loads((await api.get_mode(None)).text)
     assert json.loads((await api.workers(None)).text)["mode"] == mode
@@ -264,10 +274,7 @@ async def test_a_switch_that_fails_says_so_in_the_event_feed():
     left its "switch" event without an end, and the page showed it under way for good."""
     router = serving_router()
     pool = router.pool
-    switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
-    while len(pool.sent) < len(pool.workers):
-        await asyncio.sleep(0)
-    sent, pool.sent = pool.sent, []
+    switch, sent = await switch_sent(router, Mode("disagg", 1, 1))
     router.switcher.on_ack(m.ModeSet(0, sent[0][1].role, sent[0][1].policy, "no room for the role"))
     router.switcher.on_ack(m.ModeSet(1, sent[1][1].role, sent[1][1].policy))
     while len(pool.sent) < len(pool.workers):  # the old roles go back
@@ -390,10 +397,7 @@ async def test_a_switch_is_refused_at_once_while_a_worker_shows_no_sign_of_life(
 async def test_a_worker_that_goes_silent_during_a_switch_undoes_it_without_waiting_for_the_ack_timeout():
     router = serving_router()
     pool = router.pool
-    switch = asyncio.ensure_future(router.set_mode(Mode("disagg", 1, 1)))
-    while len(pool.sent) < len(pool.workers):
-        await asyncio.sleep(0)
-    sent, pool.sent = pool.sent, []
+    switch, sent = await switch_sent(router, Mode("disagg", 1, 1))
     router.switcher.on_ack(m.ModeSet(0, sent[0][1].role, sent[0][1].policy))
     pool.silent[1] = 6.0  # stopped before it answered
     while len(pool.sent) < len(pool.workers):  # the old roles go back, without waiting minutes

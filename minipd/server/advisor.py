@@ -312,8 +312,8 @@ class Advisor:
         best = max(rows[1:] or rows, key=lambda c: (c["goodput"], c["slo_margin"] or 0.0))
         rate = entry["traffic"]["rate"]
         gain = (best["goodput"] - here_goodput) / max(here_goodput, 1e-3 * rate)
-        # a candidate leads where it beats the current mode as judged and as the replay predicts it
-        leads = best["goodput"] > max(here_goodput, here["goodput"]) and best["label"] != here["label"]
+        beats_judged = best["goodput"] > here_goodput and best["label"] != here["label"]
+        leads = beats_judged and best["goodput"] > here["goodput"]  # and beats the replay's figure for it too
         entry.update(best=best["label"] if leads else here["label"], predicted_gain=gain if leads else 0.0)
         said = "measured" if credited is not None else "predicted"
         change = f"{here_goodput:.2f} ({said}) -> {best['goodput']:.2f} req/s" + (f", {gain:+.0%}" if here_goodput > 0 else "")
@@ -329,7 +329,7 @@ class Advisor:
         early = entry.get("due") == "early"  # a few seconds chosen because they fail: not a window of its own
         decisive = cfg.decisive_gain if credited is None else cfg.credited_decisive_gain
         self.behind = 0 if not behind else self.behind + (0 if early else 1)
-        if not leads and best["goodput"] > here_goodput and best["label"] != here["label"]:
+        if beats_judged and not leads:
             entry["decision"] = (f"stay: the replay ranks {here['label']} ahead ({here['goodput']:.2f} against "
                                  f"{best['label']}'s {best['goodput']:.2f} req/s), though it {said} "
                                  f"{here_goodput:.2f}: the same traffic would hold {best['label']} back too")  # fmt: skip

@@ -30,7 +30,7 @@ UNRESPONSIVE_S = 5.0  # a worker that has shown no sign of life (heartbeats ever
 
 def unresponsive(pool, workers) -> dict[int, float]:
     """Worker id -> seconds without a sign of life, for those of `workers` silent past UNRESPONSIVE_S
-    (/health says degraded, and a mode switch does not wait on them)."""
+    (/health says degraded, a mode switch does not wait on them, placements and seats avoid them)."""
     now = time.monotonic()
     silent = {w.worker_id: pool.hung_for(w, now) for w in workers}
     return {wid: s for wid, s in silent.items() if s > UNRESPONSIVE_S}
