@@ -39,6 +39,9 @@ constexpr int KEYS = 128;  // keys per step of the online softmax (its reduction
 constexpr int VEC = KEYS / L;
 constexpr int MAX_D = 256;
 constexpr int KEY_PAD = 32;  // keys are padded to a multiple of this (>= 2 vectors on every ISA)
+// K^T's rows one cache line further apart than its keys: at a stride of a multiple of 4 KB (1,024 keys
+// or more) the D rows a score block reads fall in one set of L1 and evict each other
+constexpr int ROW_SKEW = 16;
 constexpr float NONE = -1e30f;  // the running max before any key; finite, as -ffast-math assumes
 static_assert(ROWS % GROUP == 0 && KEY_PAD % (2 * L) == 0 && KEYS % KEY_PAD == 0, "tile shapes");
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -168,11 +171,12 @@ void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, i
          int64_t ctx, int64_t Hq, int64_t Hkv, float scale, E* out) {
   const int64_t G = Hq / Hkv, first = ctx - T;  // position of the first query
   const int64_t Lk = (ctx + KEY_PAD - 1) / KEY_PAD * KEY_PAD;  // keys, padded with zeros to whole score blocks
+  const int64_t ld = Lk + ROW_SKEW;  // K^T's row stride
   static const E zeros[MAX_D] = {};
   constexpr bool DOT = MINIPD_PREFILL_BF16_DOT && std::is_same_v<E, uint16_t>;
   using KT = std::conditional_t<DOT, uint32_t, float>;  // K^T's element: a float, or a pair of bfloat16
   constexpr int KT_ROWS = DOT ? D / 2 : D;
-  auto kt_all = at::empty({Hkv, KT_ROWS, Lk}, DOT ? at::kInt : at::kFloat);
+  auto kt_all = at::empty({Hkv, KT_ROWS, ld}, DOT ? at::kInt : at::kFloat);
   KT* ktp = reinterpret_cast<KT*>(kt_all.data_ptr());
   std::vector<const E*> v_rows(Hkv * ctx);  // V is read where it lies, a row per key
   auto v_pairs = at::empty({DOT ? Hkv : 0, Lk / 2, D}, at::kInt);  // or, for vdpbf16ps, in pairs of keys
@@ -186,7 +190,7 @@ void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, i
           k[jj] = j < ctx ? k_cache + ((table[j / block_size] * block_size + j % block_size) * Hkv + h) * D : zeros;
         }
         for (int d = 0; d < KT_ROWS; ++d) {
-          KT* dst = ktp + (h * KT_ROWS + d) * Lk + j0;
+          KT* dst = ktp + (h * KT_ROWS + d) * ld + j0;
           if constexpr (DOT)
             for (int jj = 0; jj < 16; ++jj) dst[jj] = pair_at(k[jj] + 2 * d);
           else
@@ -226,13 +230,13 @@ void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, i
         l[r] = 0.f;
       }
       const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
-      const KT* kt = ktp + h * KT_ROWS * Lk;
+      const KT* kt = ktp + h * KT_ROWS * ld;
       const E* const* vh = v_rows.data() + h * ctx;
       for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
         const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
         for (int c = 0; c < n; c += 2 * L)
-          if constexpr (DOT) scores_dot<D>(qt, kt + k0 + c, Lk, scale, s, c);
-          else scores<D>(qt, kt + k0 + c, Lk, s, c);
+          if constexpr (DOT) scores_dot<D>(qt, kt + k0 + c, ld, scale, s, c);
+          else scores<D>(qt, kt + k0 + c, ld, s, c);
         for (int r = 0; r < ROWS; ++r) {
           const int64_t seen = std::clamp<int64_t>(pos[r] + 1 - k0, 0, KEYS);  // keys this row may see
           if (seen == 0) {
