@@ -33,8 +33,8 @@ using minipd_vec::Vec;
 constexpr int L = Vec::L;
 constexpr bool WIDE = Vec::REGISTERS >= 32;
 constexpr int ROWS = WIDE ? 12 : 6;  // query rows per tile: 2 x ROWS score accumulators + 2 K^T vectors + 1 broadcast
-constexpr int GROUP = WIDE ? 4 : 3;  // rows of o updated together: GROUP x COLS accumulators + COLS V vectors + 1
-constexpr int COLS = WIDE ? 4 : 3;  // vectors of o's columns updated together
+constexpr int GROUP = WIDE ? 4 : 6;  // rows of o updated together: GROUP x COLS accumulators + COLS V vectors + 1
+constexpr int COLS = WIDE ? 4 : 2;  // vectors of o's columns updated together
 constexpr int KEYS = 128;  // keys per step of the online softmax (its reductions and rescales amortized)
 constexpr int VEC = KEYS / L;
 constexpr int MAX_D = 256;
