@@ -219,7 +219,7 @@ def test_small_linear_equals_f_linear(rows, threads):
 @pytest.mark.parametrize(
     "new,ctx,hq,hkv,d",
     [(1, 1, 9, 3, 64), (5, 5, 9, 3, 64), (7, 40, 9, 3, 64), (300, 300, 9, 3, 64), (129, 700, 9, 3, 64),
-     (17, 17, 4, 4, 16), (13, 150, 8, 1, 128), (40, 90, 6, 2, 48), (20, 20, 2, 1, 192)],
+     (17, 17, 4, 4, 16), (13, 150, 8, 1, 128), (40, 90, 6, 2, 48), (20, 20, 2, 1, 192), (45, 1100, 9, 3, 64)],
 )  # fmt: skip
 def test_paged_prefill_equals_causal_attention_over_the_gathered_context(new, ctx, hq, hkv, d, threads):
     """`new` tokens at the end of a ctx-token context (a whole prompt, or a chunk after a cached prefix)."""

@@ -35,6 +35,11 @@ constexpr bool WIDE = Vec::REGISTERS >= 32;
 constexpr int ROWS = WIDE ? 12 : 6;  // query rows per tile: 2 x ROWS score accumulators + 2 K^T vectors + 1 broadcast
 constexpr int GROUP = WIDE ? 4 : 6;  // rows of o updated together: GROUP x COLS accumulators + COLS V vectors + 1
 constexpr int COLS = WIDE ? 4 : 2;  // vectors of o's columns updated together
+// query tiles that sweep the keys together, a block of keys at a time (the block's K^T and V stay in L1
+// and L2 from one tile to the next, where one tile after another read them all from L3 at 1,024 keys
+// and more): on the Zen 3 AVX2 EPYC 1.05-1.16x at 2,048 tokens, even at 512
+// (scripts/bench_prefill_attention.py). Not measured with AVX-512 or NEON: one tile there.
+constexpr int BAND = Vec::L == 8 ? 4 : 1;
 constexpr int KEYS = 128;  // keys per step of the online softmax (its reductions and rescales amortized)
 constexpr int VEC = KEYS / L;
 constexpr int MAX_D = 256;
@@ -209,62 +214,76 @@ void run(const E* q, const E* k_cache, const E* v_cache, const int64_t* table, i
     }
   });
   const int64_t rows = T * G, tiles = (rows + ROWS - 1) / ROWS;  // rows of one kv head: (position, g)
-  at::parallel_for(0, Hkv * tiles, 1, [&](int64_t w0, int64_t w1) {
-    alignas(64) std::conditional_t<DOT, uint16_t, float> qt[ROWS * MAX_D];  // bfloat16 as it is for vdpbf16ps
-    alignas(64) float o[ROWS * MAX_D], s[ROWS][KEYS], p[ROWS][KEYS];
-    float m[ROWS], l[ROWS], corr[ROWS];
-    int64_t pos[ROWS];
+  const int64_t bands = (tiles + BAND - 1) / BAND;
+  at::parallel_for(0, Hkv * bands, 1, [&](int64_t w0, int64_t w1) {
+    alignas(64) std::conditional_t<DOT, uint16_t, float> qt[BAND][ROWS * MAX_D];  // bfloat16 as it is for vdpbf16ps
+    alignas(64) float o[BAND][ROWS * MAX_D], s[ROWS][KEYS], p[ROWS][KEYS];
+    float m[BAND][ROWS], l[BAND][ROWS], corr[ROWS];
+    int64_t pos[BAND][ROWS];
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t h = w / tiles, row0 = (w % tiles) * ROWS;
-      const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
-      for (int r = 0; r < ROWS; ++r) {  // scaled queries (vdpbf16ps: scaled scores); rows past the end are zeros, never stored
-        const int64_t i = (row0 + std::min(r, n - 1)) / G, g = (row0 + std::min(r, n - 1)) % G;
-        const E* src = q + (i * Hq + h * G + g) * D;
-        if constexpr (DOT)
-          for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? src[d] : 0;
-        else
-          for (int64_t d = 0; d < D; ++d) qt[r * MAX_D + d] = r < n ? to_float(src[d]) * scale : 0.f;
-        std::fill(o + r * MAX_D, o + r * MAX_D + D, 0.f);
-        pos[r] = first + i;
-        m[r] = NONE;
-        l[r] = 0.f;
+      const int64_t h = w / bands, tile0 = (w % bands) * BAND;
+      const int in_band = static_cast<int>(std::min<int64_t>(BAND, tiles - tile0));
+      for (int t = 0; t < in_band; ++t) {
+        const int64_t row0 = (tile0 + t) * ROWS;
+        const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
+        for (int r = 0; r < ROWS; ++r) {  // scaled queries (vdpbf16ps: scaled scores); rows past the end are zeros, never stored
+          const int64_t i = (row0 + std::min(r, n - 1)) / G, g = (row0 + std::min(r, n - 1)) % G;
+          const E* src = q + (i * Hq + h * G + g) * D;
+          if constexpr (DOT)
+            for (int64_t d = 0; d < D; ++d) qt[t][r * MAX_D + d] = r < n ? src[d] : 0;
+          else
+            for (int64_t d = 0; d < D; ++d) qt[t][r * MAX_D + d] = r < n ? to_float(src[d]) * scale : 0.f;
+          std::fill(o[t] + r * MAX_D, o[t] + r * MAX_D + D, 0.f);
+          pos[t][r] = first + i;
+          m[t][r] = NONE;
+          l[t][r] = 0.f;
+        }
       }
-      const int64_t end = pos[ROWS - 1] + 1;  // the last row sees the most keys
       const KT* kt = ktp + h * KT_ROWS * ld;
       const E* const* vh = v_rows.data() + h * ctx;
-      for (int64_t k0 = 0; k0 < end; k0 += KEYS) {
-        const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
-        for (int c = 0; c < n; c += 2 * L)
-          if constexpr (DOT) scores_dot<D>(qt, kt + k0 + c, ld, scale, s, c);
-          else scores<D>(qt, kt + k0 + c, ld, s, c);
-        for (int r = 0; r < ROWS; ++r) {
-          const int64_t seen = std::clamp<int64_t>(pos[r] + 1 - k0, 0, KEYS);  // keys this row may see
-          if (seen == 0) {
-            corr[r] = 1.f;
-            std::fill(p[r], p[r] + KEYS, 0.f);
-            continue;
+      // key blocks outside, the band's tiles inside: a block's K^T and V, read from memory for the
+      // first tile, stay in L1 and L2 for the others
+      for (int64_t k0 = 0; k0 < pos[in_band - 1][ROWS - 1] + 1; k0 += KEYS) {
+        for (int t = 0; t < in_band; ++t) {
+          const int64_t end = pos[t][ROWS - 1] + 1;  // the tile's last row sees the most keys
+          if (k0 >= end) continue;
+          const int n = static_cast<int>(std::min<int64_t>(KEYS, end - k0));
+          for (int c = 0; c < n; c += 2 * L)
+            if constexpr (DOT) scores_dot<D>(qt[t], kt + k0 + c, ld, scale, s, c);
+            else scores<D>(qt[t], kt + k0 + c, ld, s, c);
+          for (int r = 0; r < ROWS; ++r) {
+            const int64_t seen = std::clamp<int64_t>(pos[t][r] + 1 - k0, 0, KEYS);  // keys this row may see
+            if (seen == 0) {
+              corr[r] = 1.f;
+              std::fill(p[r], p[r] + KEYS, 0.f);
+              continue;
+            }
+            std::fill(s[r] + seen, s[r] + KEYS, NONE);  // keys it may not see (causal, or past the end)
+            Vec mv = Vec::set1(m[t][r]);
+            for (int x = 0; x < VEC; ++x) mv = minipd_vec::max(mv, Vec::load(s[r] + L * x));
+            const float mx = minipd_vec::reduce_max(mv);
+            mv = Vec::set1(mx);
+            Vec sum = Vec::zero();
+            for (int x = 0; x < VEC; ++x) minipd_vec::exp(Vec::load(s[r] + L * x) - mv).store(p[r] + L * x);
+            if (seen < KEYS) std::fill(p[r] + seen, p[r] + KEYS, 0.f);  // exactly 0, not e^-104
+            for (int x = 0; x < VEC; ++x) sum = sum + Vec::load(p[r] + L * x);
+            corr[r] = std::exp(m[t][r] - mx);  // 0 on the first keys (m = NONE)
+            l[t][r] = l[t][r] * corr[r] + minipd_vec::reduce_add(sum);
+            m[t][r] = mx;
           }
-          std::fill(s[r] + seen, s[r] + KEYS, NONE);  // keys it may not see (causal, or past the end)
-          Vec mv = Vec::set1(m[r]);
-          for (int x = 0; x < VEC; ++x) mv = minipd_vec::max(mv, Vec::load(s[r] + L * x));
-          const float mx = minipd_vec::reduce_max(mv);
-          mv = Vec::set1(mx);
-          Vec sum = Vec::zero();
-          for (int x = 0; x < VEC; ++x) minipd_vec::exp(Vec::load(s[r] + L * x) - mv).store(p[r] + L * x);
-          if (seen < KEYS) std::fill(p[r] + seen, p[r] + KEYS, 0.f);  // exactly 0, not e^-104
-          for (int x = 0; x < VEC; ++x) sum = sum + Vec::load(p[r] + L * x);
-          corr[r] = std::exp(m[r] - mx);  // 0 on the first keys (m = NONE)
-          l[r] = l[r] * corr[r] + minipd_vec::reduce_add(sum);
-          m[r] = mx;
+          if constexpr (DOT) accumulate_dot<D>(o[t], corr, p, vpp + (h * Lk + k0) / 2 * D, n);
+          else accumulate<D>(o[t], corr, p, vh + k0, n);
         }
-        if constexpr (DOT) accumulate_dot<D>(o, corr, p, vpp + (h * Lk + k0) / 2 * D, n);
-        else accumulate<D>(o, corr, p, vh + k0, n);
       }
-      for (int r = 0; r < n; ++r) {
-        const int64_t i = (row0 + r) / G, g = (row0 + r) % G;
-        E* dst = out + (i * Hq + h * G + g) * D;
-        const float inv = 1.f / l[r];
-        for (int64_t d = 0; d < D; ++d) from_float(o[r * MAX_D + d] * inv, dst + d);
+      for (int t = 0; t < in_band; ++t) {
+        const int64_t row0 = (tile0 + t) * ROWS;
+        const int n = static_cast<int>(std::min<int64_t>(ROWS, rows - row0));
+        for (int r = 0; r < n; ++r) {
+          const int64_t i = (row0 + r) / G, g = (row0 + r) % G;
+          E* dst = out + (i * Hq + h * G + g) * D;
+          const float inv = 1.f / l[t][r];
+          for (int64_t d = 0; d < D; ++d) from_float(o[t][r * MAX_D + d] * inv, dst + d);
+        }
       }
     }
   });
