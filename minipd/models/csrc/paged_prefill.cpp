@@ -60,6 +60,7 @@ template <int D>
 inline void scores(const float* q, const float* kt, int64_t ld, float s[ROWS][KEYS], int c) {
   Vec acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+#pragma GCC unroll 1
   for (int d = 0; d < D; ++d) {
     const Vec k0 = Vec::load(kt + d * ld), k1 = Vec::load(kt + d * ld + L);
     for (int r = 0; r < ROWS; ++r) {
