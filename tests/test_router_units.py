@@ -379,3 +379,22 @@ async def test_a_new_request_is_not_placed_on_a_worker_that_shows_no_sign_of_lif
         pool.silent = {0: 9.0, 1: 9.0, 2: 9.0}
         router.submit("last", [1, 2], SamplingParams(max_tokens=3))
         assert len(await sent(pool, m.AddRequest)) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_move_that_ends_after_its_request_finished_is_in_the_finished_timeline():
+    """Defect: the timeline of a finished request is kept as it was when the request ended, and a
+    move still waiting for its seat then ended after it: GET /v1/requests/{id}/timeline never
+    showed that move, though /admin/events and the metrics counted it."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
+    await placed(router)
+    pool.workers[0].draining = True
+    move = asyncio.ensure_future(router.mover.move(state, "drain"))
+    [(reader, ask)] = await sent(pool, m.ReserveSeats)
+    router._end(state, finish_reason="stop")
+    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, [7]] for key, *_ in ask.seats]))
+    record = await asyncio.wait_for(move, 1)
+    assert record.outcome != "moved"
+    assert [mv["outcome"] for mv in router.timeline("r")["moves"]] == [record.outcome]

@@ -92,6 +92,9 @@ class Mover:
                 break
             slack = max(2 * slack, 3 * (grown_to - known))  # the next seat may wait behind others
         state.moves.append(asdict(rec))
+        kept = self.router.finished.get(state.request_id)
+        if kept is not None:  # the request ended while the move was under way: its kept timeline too
+            kept["moves"] = list(state.moves)
         return rec
 
     async def _move(self, state, reason: str, target_roles: tuple[str, ...], slack: int) -> MoveRecord:
