@@ -1310,16 +1310,16 @@ async def test_the_prompt_logprobs_bound_counts_what_the_reply_carries_and_names
 
 async def test_detokenize_is_bounded_so_a_small_body_cannot_make_a_huge_reply(tokenizer):
     """Defect (a hostile-client helper): 1.39 million copies of an 81-byte token in an 8.3 MB body made
-    a 114 MB reply and held /health 1.8 s. /detokenize takes at most MAX_DETOKENIZE_TOKENS ids (16
+    a 114 MB reply and held /health 1.8 s. /detokenize takes at most MAX_TOKEN_IDS ids (16
     contexts of the default model's)."""
-    from minipd.server.app import MAX_DETOKENIZE_TOKENS
+    from minipd.server.app import MAX_TOKEN_IDS
 
     async with api_client(tokenizer) as client:
-        resp = await client.post("/detokenize", json={"tokens": [5] * (MAX_DETOKENIZE_TOKENS + 1)})
+        resp = await client.post("/detokenize", json={"tokens": [5] * (MAX_TOKEN_IDS + 1)})
         assert resp.status == 400
         error = await error_of(resp)
-        assert error["param"] == "tokens" and f"{MAX_DETOKENIZE_TOKENS:,}" in error["message"], error
-        resp = await client.post("/detokenize", json={"tokens": [5] * MAX_DETOKENIZE_TOKENS})
+        assert error["param"] == "tokens" and f"{MAX_TOKEN_IDS:,}" in error["message"], error
+        resp = await client.post("/detokenize", json={"tokens": [5] * MAX_TOKEN_IDS})
         assert resp.status == 200
 
 
@@ -1371,3 +1371,79 @@ async def test_one_large_reply_read_steadily_for_longer_than_the_send_timeout_ar
     finally:
         writer.close()
         await runner.cleanup()
+
+
+# ---- replies too big to build, and requests that can never be queued (a hostile-client helper) ----
+async def test_a_reply_with_more_logprobs_than_it_may_carry_is_refused_unless_streamed(tokenizer):
+    """Defect: a chat reply of 64 choices x 600 tokens x 21 logprobs, not streamed, was built and sent
+    in one piece: a 78 MB body, and /health waited 9.3 s meanwhile. Prompt logprobs had a cap; the
+    reply's own logprobs had none."""
+    async with api_client(tokenizer) as client:
+        big = {"n": 64, "max_tokens": 600, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+        resp = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **big})
+        err = await error_of(resp)
+        assert resp.status == 400 and "806,400 logprobs" in err["message"] and "stream" in err["message"]
+        resp = await client.post("/v1/completions", json={"prompt": "hi", "n": 64, "max_tokens": 600, "logprobs": 20})
+        assert resp.status == 400 and (await error_of(resp))["param"] == "n"
+        # streamed, each token's logprobs go in their own event: no body to build
+        client.api.router.accepting = False  # refused after the checks, before any worker is asked
+        resp = await client.post("/v1/completions", json={"prompt": "hi", "n": 64, "max_tokens": 600, "logprobs": 20,
+                                                          "stream": True})  # fmt: skip
+        assert resp.status == 503
+
+
+async def test_a_long_tokenize_does_not_hold_up_the_prompts_being_served(tokenizer, monkeypatch):
+    """Defect: /tokenize shared the one thread that tokenizes long prompts: two 8 MB /tokenize calls
+    held an ordinary 2,531-token chat from 14 s to 45 s on the default model."""
+    release = threading.Event()
+    encode = tokenizer.encode
+
+    def slow_for_tokenize(text, *args, **kwargs):
+        if text.startswith("tokenize me"):
+            release.wait(10)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_for_tokenize)
+    async with api_client(tokenizer) as client:
+        client.api.router.accepting = False  # a served prompt is tokenized, then refused: enough to time it
+        held = asyncio.ensure_future(client.post("/tokenize", json={"prompt": "tokenize me " * 1000}))
+        await asyncio.sleep(0.2)
+        started = time.monotonic()
+        resp = await client.post("/v1/completions", json={"prompt": "a long prompt " * 600, "max_tokens": 1})
+        assert resp.status == 503 and time.monotonic() - started < 5
+        release.set()
+        assert (await held).status == 200
+
+
+async def test_tokenize_refuses_a_text_found_to_hold_more_tokens_than_it_answers(tokenizer):
+    """Defect: /tokenize of 7.8 MB ('a ' x 3.9 million) answered 3.9 million ids and their texts, a
+    20 MB reply built on the event loop: an unrelated stream paused 9.7 s. It answers at most as
+    many ids as /detokenize takes."""
+    async with api_client(tokenizer) as client:
+        text = "ab " * 140_000  # short enough to be tokenized, 140,000 tokens or more
+        resp = await client.post("/tokenize", json={"prompt": text})
+        err = await error_of(resp)
+        assert resp.status == 400 and "131,072" in err["message"] and "tokens" in err["message"]
+        resp = await client.post("/tokenize", json={"prompt": "ab " * 1000, "return_token_strs": True})
+        body = await resp.json()
+        assert resp.status == 200 and body["count"] == len(body["tokens"]) == len(body["token_strs"]) >= 1000
+
+
+async def test_head_on_the_event_stream_is_refused_rather_than_answered_with_a_body_that_never_ends():
+    """Defect: HEAD /admin/events sent its headers, then the events themselves, unframed and without
+    end: the reply broke HTTP (no body after HEAD) and the connection answered nothing after it."""
+    async with api_client() as client:
+        resp = await client.head("/admin/events")
+        assert resp.status == 405 and "GET" in resp.headers["Allow"]
+        resp = await client.head("/v1/models")
+        assert resp.status == 200
+
+
+async def test_a_request_for_more_replies_than_the_server_can_ever_hold_is_a_400_not_a_429(tokenizer):
+    """Defect: with --max-waiting 4 --max-num-seqs 4 (2 workers: 12 requests at once), a request of
+    n=13 on an idle server got a 429 'try again later' that no retry could clear."""
+    async with api_client(tokenizer) as client:
+        client.api.router.limits.max_waiting = 4
+        resp = await client.post("/v1/completions", json={"prompt": "hi", "n": 13, "max_tokens": 2})
+        err = await error_of(resp)
+        assert resp.status == 400 and err["param"] == "n" and "at most 4" in err["message"]

@@ -42,7 +42,7 @@ CORS = web.RequestKey("cors", dict)
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
 MAX_BODY_LIMIT = 16 * 2**20
-MAX_DETOKENIZE_TOKENS = 131_072  # 16 contexts of the default model (1.4 million made a 114 MB reply)
+MAX_TOKEN_IDS = 131_072  # /tokenize's and /detokenize's: 16 contexts of the default model (1.4 million made a 114 MB reply)
 BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}  # as vLLM's
@@ -153,6 +153,8 @@ class Api:
         self.guard = guard or BrowserGuard("127.0.0.1")
         self.max_token_chars = self.tokenizer.max_token_chars if self.tokenizer else 1
         self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
+        # /tokenize and /detokenize: a client's 8 MB text there does not hold up the prompts being served
+        self.endpoint_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize-endpoint")
         self.body_timeout_s = BODY_TIMEOUT_S
         self.max_body_bytes = min(MAX_BODY_LIMIT, max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars))
 
@@ -182,7 +184,7 @@ class Api:
             web.get("/admin/advisor", self.advisor),
             web.post("/admin/workers/{worker_id}/drain", self.drain_worker),
             web.post("/admin/workers/{worker_id}/resume", self.resume_worker),
-            web.get("/admin/events", self.events),
+            web.get("/admin/events", self.events, allow_head=False),  # a HEAD must not get the stream
             web.get("/", self.page),
             web.get("/static/{name}", self.static),
         ])  # fmt: skip
@@ -234,11 +236,11 @@ class Api:
         num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
         return messages, await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
 
-    async def _off_loop(self, num_chars: int, fn, *args):
+    async def _off_loop(self, num_chars: int, fn, *args, pool: ThreadPoolExecutor | None = None):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
         if num_chars < INLINE_TOKENIZE_CHARS:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.tokenize_thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool or self.tokenize_thread, fn, *args)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages, as the token ids the server would read."""
@@ -255,7 +257,10 @@ class Api:
                 raise ApiError("'prompt' must be a string", param="prompt")
             p.check_text(prompt, "prompt")
             special = p.flag(body, "add_special_tokens", True)
-            ids = await self._off_loop(len(prompt), self._tokenizer().encode, prompt, special)
+            ids = await self._off_loop(len(prompt), self._tokenizer().encode, prompt, special, pool=self.endpoint_thread)
+            if len(ids) > MAX_TOKEN_IDS:
+                raise ApiError(f"'prompt' is {len(ids):,} tokens; /tokenize answers at most {MAX_TOKEN_IDS:,} tokens",
+                               param="prompt")  # fmt: skip
         strs = [self._token_text(t) for t in ids] if p.flag(body, "return_token_strs") else None
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
 
@@ -264,13 +269,13 @@ class Api:
         body = await self._body(request)
         self._check_model(body)
         tokens, vocab = body.get("tokens"), len(self._tokenizer())
-        if isinstance(tokens, list) and len(tokens) > MAX_DETOKENIZE_TOKENS:
-            raise ApiError(f"'tokens' has {len(tokens):,} ids; at most {MAX_DETOKENIZE_TOKENS:,} in one request",
+        if isinstance(tokens, list) and len(tokens) > MAX_TOKEN_IDS:
+            raise ApiError(f"'tokens' has {len(tokens):,} ids; at most {MAX_TOKEN_IDS:,} in one request",
                            param="tokens")  # fmt: skip
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
             raise ApiError(f"'tokens' must be a list of token ids in [0, {vocab})", param="tokens")
         skip = p.flag(body, "skip_special_tokens", False)
-        text = await self._off_loop(4 * len(tokens), self.tokenizer.decode, tokens, skip)  # a long list: off the loop
+        text = await self._off_loop(4 * len(tokens), self.tokenizer.decode, tokens, skip, pool=self.endpoint_thread)
         return web.json_response({"prompt": text})
 
     def _check_model(self, body: dict) -> None:
@@ -298,9 +303,14 @@ class Api:
         num = p.num_choices(body, len(prompts))
         p.check_prompt_logprobs_size(params, prompts, num, chat, opts.stream, any(e is not None for e in echoes),
                                      self.max_model_len)  # fmt: skip
+        total = num * len(prompts)
+        p.check_reply_logprobs_size(params, total, opts.stream, self.max_model_len)
+        if total > (most := self.router.most_requests()):
+            raise ApiError(f"this request asks for {total} replies ({len(prompts)} prompts x n {num}); this server holds at "
+                           f"most {most} at once (--max-num-seqs per worker and --max-waiting): send fewer",
+                           param="n" if num > 1 else "prompt")  # fmt: skip
         token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
         rid = p.new_id("chatcmpl" if chat else "cmpl")
-        total = num * len(prompts)
         reply = Reply(rid, [], chat, [echo for echo in echoes for _ in range(num)], token_text,
                       sum(map(len, prompts)), p.flag(body, "return_token_ids"))  # fmt: skip
         try:
@@ -700,7 +710,8 @@ class Api:
         return body
 
     async def _stop_tokenizing(self, app) -> None:
-        self.tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.tokenize_thread, self.endpoint_thread):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _tokenizer(self):
         if self.tokenizer is None:

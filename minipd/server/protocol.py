@@ -167,6 +167,28 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return out or None
 
 
+def logprob_cap(max_model_len: int) -> int:
+    """Logprob entries one reply may carry (a body built and sent whole): two contexts' worth with
+    every alternative, or MAX_PROMPT_LOGPROB_ENTRIES."""
+    return max(MAX_PROMPT_LOGPROB_ENTRIES, 2 * max_model_len * (MAX_LOGPROBS + 1))
+
+
+def check_reply_logprobs_size(params: SamplingParams, replies: int, stream: bool, max_model_len: int) -> None:
+    """Refuse a reply, not streamed, whose own tokens' logprobs would be too many to build: it is sent
+    in one piece (streamed, each token's go in their own event)."""
+    if params.logprobs is None or stream:
+        return
+    k = params.logprobs + 1
+    entries = replies * params.max_tokens * k
+    cap = logprob_cap(max_model_len)
+    if entries <= cap:
+        return
+    choices = f"{replies} choices of up to {params.max_tokens:,} tokens" if replies > 1 else f"up to {params.max_tokens:,} tokens"
+    raise ApiError(f"this reply would carry up to {entries:,} logprobs ({choices}, {k} logprobs a token); at most "
+                   f"{cap:,} in a reply that is not streamed: stream it (\"stream\": true), or ask for fewer choices, "
+                   "tokens or alternatives", param="n" if replies > 1 else "max_tokens")  # fmt: skip
+
+
 def check_prompt_logprobs_size(params: SamplingParams, prompts: list[list[int]], num: int, chat: bool,
                                stream: bool, echo: bool, max_model_len: int) -> None:  # fmt: skip
     """Refuse a reply whose prompt logprobs would be too many to build: each prompt's, in each of its
@@ -179,7 +201,7 @@ def check_prompt_logprobs_size(params: SamplingParams, prompts: list[list[int]],
     scored = echo and params.logprobs is not None and not chat
     tokens = sum(map(len, prompts))
     entries = copies * tokens * k * (2 if scored else 1)
-    cap = max(MAX_PROMPT_LOGPROB_ENTRIES, 2 * max_model_len * (MAX_LOGPROBS + 1))
+    cap = logprob_cap(max_model_len)
     if entries <= cap:
         return
     parts = ([f"{len(prompts)} prompts of {tokens:,} tokens in all"] if len(prompts) > 1 else [f"{tokens:,} prompt tokens"])

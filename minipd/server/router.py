@@ -78,6 +78,11 @@ class Router:
         self.tasks: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
 
     # ---- requests ------------------------------------------------------------------
+    def most_requests(self) -> int:
+        """Requests the server holds at once with every worker up: one asking for more choices can
+        never be taken, however long it waits."""
+        return self.limits.max_running_per_worker * len(self.pool.workers) + self.limits.max_waiting
+
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestState:
         if not self.accepting:
             raise Unavailable("the server is shutting down", code="shutting_down")
