@@ -4,6 +4,7 @@ web page, a hostile client or a huge input may do. Each test runs in millisecond
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import threading
@@ -1447,3 +1448,48 @@ async def test_a_request_for_more_replies_than_the_server_can_ever_hold_is_a_400
         resp = await client.post("/v1/completions", json={"prompt": "hi", "n": 13, "max_tokens": 2})
         err = await error_of(resp)
         assert resp.status == 400 and err["param"] == "n" and "at most 4" in err["message"]
+
+
+async def test_a_large_reply_is_built_a_choice_at_a_time_so_other_clients_are_served_meanwhile(tokenizer):
+    """Defect (a hostile-client helper): a reply not streamed was built and encoded in one go on the
+    event loop; 64 choices x 300 tokens x 21 logprobs (under the cap) held every other client 1.9 s."""
+    from minipd.server.request_state import Delta
+
+    async with api_client(tokenizer) as client:
+        api = client.api
+        top = [[t, -1.0 - t / 100] for t in range(100, 109)]
+
+        def state(i):
+            s = SimpleNamespace(request_id=f"r{i}", prompt_token_ids=[1], deltas=asyncio.Queue(), stop_reason=None,
+                                params=SamplingParams(logprobs=8))  # fmt: skip
+            for j in range(300):
+                s.deltas.put_nowait(Delta("x", 1, "length" if j == 299 else None, logprobs=[[100, -1.0, top]]))
+            return s
+
+        gaps, done = [], asyncio.Event()
+
+        async def ticker():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.002)
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+
+        states = [state(i) for i in range(16)]
+        gc.collect()
+        gc.disable()  # a full collection of the test process's objects is a pause of its own
+        try:
+            tick = asyncio.create_task(ticker())
+            await asyncio.sleep(0.01)
+            started = time.monotonic()
+            resp = await api._collect(reply_of(api, states, False))
+            took = time.monotonic() - started
+            done.set()
+            await tick
+        finally:
+            gc.enable()
+        body = json.loads(resp.text)
+        assert [c["index"] for c in body["choices"]] == list(range(16)) and body["usage"]["completion_tokens"] == 16 * 300
+        assert all(len(c["logprobs"]["top_logprobs"]) == 300 for c in body["choices"])
+        assert max(gaps) < took / 2, (max(gaps), took)  # a few choices' share of the work, not all of it

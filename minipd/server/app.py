@@ -366,9 +366,15 @@ class Api:
                 choice["text"] = echo + choice["text"]
             if params.prompt_logprobs is not None and not chat:
                 choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
+            await asyncio.sleep(0)  # a reply of many choices is built a choice at a time: other clients go on between
         if params.prompt_logprobs is not None and chat:
             body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), self._token_text)
-        return web.json_response(body)
+        choices = []
+        for choice in body.pop("choices"):  # and encoded so
+            choices.append(json.dumps(choice))
+            await asyncio.sleep(0)
+        text = json.dumps(body)[:-1] + ', "choices": [' + ", ".join(choices) + "]}"
+        return web.Response(text=text, content_type="application/json")
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
