@@ -26,17 +26,11 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="also time the prefill attention of this git revision")
     args = ap.parse_args()
     import torch
+    from revision_kernels import kernels_side_by_side  # beside this script
 
     from minipd.models import cpu_kernels
 
-    if not cpu_kernels.available():
-        raise SystemExit(f"the CPU kernels are not built: {cpu_kernels.error()}")
-    torch.set_num_threads(args.threads)
-    kernels = {"minipd": torch.ops.minipd}
-    if args.against:
-        from revision_kernels import kernels_of_revision
-
-        kernels[f"minipd@{args.against}"] = kernels_of_revision(args.against)
+    kernels = kernels_side_by_side(args.against, args.threads)
     Hq, Hkv, D, bs = 9, 3, 64, 16
     print(f"kernels built for {cpu_kernels.kernel_isa()}; threads {args.threads}")
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):

@@ -21,6 +21,22 @@ def main() -> None:
     print(f"built the kernels of {args.rev}: torch.ops.minipd_then.{{{', '.join(ops)}}}")
 
 
+def kernels_side_by_side(against: str | None, threads: int) -> dict:
+    """{"minipd": the working tree's kernels, and "minipd@REV": git revision REV's where asked}, after
+    checking that the kernels are built here and setting torch's threads: a benchmark's set-up."""
+    import torch
+
+    from minipd.models import cpu_kernels
+
+    if not cpu_kernels.available():
+        raise SystemExit(f"the CPU kernels are not built: {cpu_kernels.error()}")
+    torch.set_num_threads(threads)
+    kernels = {"minipd": torch.ops.minipd}
+    if against:
+        kernels[f"minipd@{against}"] = kernels_of_revision(against)
+    return kernels
+
+
 def kernels_of_revision(rev: str):
     """torch.ops.minipd_then: the kernels as built from the sources of git revision `rev`, renamed so
     that they load beside the working tree's (same flags)."""
