@@ -1493,3 +1493,22 @@ async def test_a_large_reply_is_built_a_choice_at_a_time_so_other_clients_are_se
         assert [c["index"] for c in body["choices"]] == list(range(16)) and body["usage"]["completion_tokens"] == 16 * 300
         assert all(len(c["logprobs"]["top_logprobs"]) == 300 for c in body["choices"])
         assert max(gaps) < took / 2, (max(gaps), took)  # a few choices' share of the work, not all of it
+
+
+async def test_tokenize_of_messages_answers_no_more_ids_than_of_a_prompt(tokenizer):
+    """Defect (review): the id cap and the thread of its own held only for /tokenize's 'prompt';
+    'messages' went through the serving prompts' thread and answered any number of ids."""
+    async with api_client(tokenizer, max_model_len=8192) as client:
+        resp = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "ab " * 140_000}]})
+        err = await error_of(resp)
+        assert resp.status == 400 and "131,072" in err["message"]
+
+
+async def test_a_reply_is_refused_when_its_prompt_and_its_own_logprobs_together_pass_the_cap(tokenizer):
+    """Defect (review): echo with logprobs, not streamed, was checked against the cap for the prompt's
+    logprobs and again for the reply's, each alone: one body could carry twice the cap."""
+    async with api_client(tokenizer) as client:
+        body = {"prompt": [5] * 100, "echo": True, "logprobs": 20, "n": 64, "max_tokens": 200}  # 268,800 + 268,800
+        resp = await client.post("/v1/completions", json=body)
+        err = await error_of(resp)
+        assert resp.status == 400 and "537,600" in err["message"], err

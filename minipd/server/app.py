@@ -45,6 +45,7 @@ MAX_BODY_LIMIT = 16 * 2**20
 MAX_TOKEN_IDS = 131_072  # /tokenize's and /detokenize's: 16 contexts of the default model (1.4 million made a 114 MB reply)
 BODY_TIMEOUT_S = 60.0  # a body not in within this (a client that stalled mid-body) gets a 408
 STATIC = Path(__file__).parent / "static"  # the teaching page served at /
+HERE = "\u0000minipd choices\u0000"  # where a reply's encoded choices go in its encoded body (ids and model come before)
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}  # as vLLM's
 
 
@@ -225,16 +226,17 @@ class Api:
         body = await self._body(request)
         keep = p.truncate_prompt_tokens(body, self.max_model_len)
         messages, ids = await self._chat_ids(body, truncated=keep is not None)
-        last = messages[-1]  # vLLM's echo: the reply continues the assistant's last message, shown first
+        last = messages[-1]  # vLLM's echo: the assistant's last message (closed by the template) starts the reply
         echo = last["content"] if p.flag(body, "echo") and last["role"] == "assistant" else None
         return await self._serve(request, body, [ids[-keep:] if keep is not None else ids], chat=True, echoes=[echo])
 
-    async def _chat_ids(self, body: dict, truncated: bool = False) -> tuple[list[dict], list[int]]:
+    async def _chat_ids(self, body: dict, truncated: bool = False,
+                        pool: ThreadPoolExecutor | None = None) -> tuple[list[dict], list[int]]:  # fmt: skip
         """The body's messages, checked, and the token ids the chat template makes of them."""
         special = p.flag(body, "add_special_tokens", False)  # vLLM's chat default: the template writes them
         messages = p.chat_messages(body, self.max_model_len, self.max_token_chars, truncated=truncated)
         num_chars = sum(len(msg["content"]) + TEMPLATE_CHARS_PER_MESSAGE for msg in messages)
-        return messages, await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special)
+        return messages, await self._off_loop(num_chars, p.chat_prompt, messages, self._tokenizer(), special, pool=pool)
 
     async def _off_loop(self, num_chars: int, fn, *args, pool: ThreadPoolExecutor | None = None):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
@@ -250,7 +252,7 @@ class Api:
             raise ApiError("/tokenize takes a 'prompt' (a string) or 'messages', one of them", param="prompt")
         if "messages" in body:
             p.refuse_chat_template_options(body)
-            _, ids = await self._chat_ids(body)
+            _, ids = await self._chat_ids(body, pool=self.endpoint_thread)
         else:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
@@ -258,10 +260,13 @@ class Api:
             p.check_text(prompt, "prompt")
             special = p.flag(body, "add_special_tokens", True)
             ids = await self._off_loop(len(prompt), self._tokenizer().encode, prompt, special, pool=self.endpoint_thread)
-            if len(ids) > MAX_TOKEN_IDS:
-                raise ApiError(f"'prompt' is {len(ids):,} tokens; /tokenize answers at most {MAX_TOKEN_IDS:,} tokens",
-                               param="prompt")  # fmt: skip
-        strs = [self._token_text(t) for t in ids] if p.flag(body, "return_token_strs") else None
+        if len(ids) > MAX_TOKEN_IDS:
+            given = "messages" if "messages" in body else "prompt"
+            raise ApiError(f"'{given}' {'are' if given == 'messages' else 'is'} {len(ids):,} tokens; /tokenize answers at "
+                           f"most {MAX_TOKEN_IDS:,} tokens", param=given)  # fmt: skip
+        strs = None
+        if p.flag(body, "return_token_strs"):  # a decode per id: many of them off the loop
+            strs = await self._off_loop(4 * len(ids), lambda: [self._token_text(t) for t in ids], pool=self.endpoint_thread)
         return web.json_response({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -301,10 +306,10 @@ class Api:
         longest = max(map(len, prompts))
         params = p.sampling_params(body, default, self.max_model_len, longest, prompt_param, vocab or p.INT64, chat)
         num = p.num_choices(body, len(prompts))
-        p.check_prompt_logprobs_size(params, prompts, num, chat, opts.stream, any(e is not None for e in echoes),
-                                     self.max_model_len)  # fmt: skip
+        prompt_entries = p.check_prompt_logprobs_size(params, prompts, num, chat, opts.stream,
+                                                      any(e is not None for e in echoes), self.max_model_len)  # fmt: skip
         total = num * len(prompts)
-        p.check_reply_logprobs_size(params, total, opts.stream, self.max_model_len)
+        p.check_reply_logprobs_size(params, total, opts.stream, self.max_model_len, prompt_entries)
         if total > (most := self.router.most_requests()):
             raise ApiError(f"this request asks for {total} replies ({len(prompts)} prompts x n {num}); this server holds at "
                            f"most {most} at once (--max-num-seqs per worker and --max-waiting): send fewer",
@@ -370,10 +375,11 @@ class Api:
         if params.prompt_logprobs is not None and chat:
             body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), self._token_text)
         choices = []
-        for choice in body.pop("choices"):  # and encoded so
+        for choice in body["choices"]:  # and encoded so
             choices.append(json.dumps(choice))
             await asyncio.sleep(0)
-        text = json.dumps(body)[:-1] + ', "choices": [' + ", ".join(choices) + "]}"
+        body["choices"] = HERE
+        text = json.dumps(body).replace(json.dumps(HERE), "[" + ", ".join(choices) + "]", 1)  # the first: before any text
         return web.Response(text=text, content_type="application/json")
 
     def _token_text(self, token_id: int) -> str:

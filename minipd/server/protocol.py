@@ -173,29 +173,33 @@ def logprob_cap(max_model_len: int) -> int:
     return max(MAX_PROMPT_LOGPROB_ENTRIES, 2 * max_model_len * (MAX_LOGPROBS + 1))
 
 
-def check_reply_logprobs_size(params: SamplingParams, replies: int, stream: bool, max_model_len: int) -> None:
-    """Refuse a reply, not streamed, whose own tokens' logprobs would be too many to build: it is sent
-    in one piece (streamed, each token's go in their own event)."""
+def check_reply_logprobs_size(params: SamplingParams, replies: int, stream: bool, max_model_len: int,
+                              prompt_entries: int = 0) -> None:  # fmt: skip
+    """Refuse a reply, not streamed, whose own tokens' logprobs, with the prompt's it carries
+    (check_prompt_logprobs_size's count), would be too many to build: it is sent in one piece
+    (streamed, each token's go in their own event)."""
     if params.logprobs is None or stream:
         return
     k = params.logprobs + 1
-    entries = replies * params.max_tokens * k
+    own = replies * params.max_tokens * k
+    entries = own + prompt_entries
     cap = logprob_cap(max_model_len)
     if entries <= cap:
         return
     choices = f"{replies} choices of up to {params.max_tokens:,} tokens" if replies > 1 else f"up to {params.max_tokens:,} tokens"
+    choices = f"{prompt_entries:,} of the prompt's and {own:,} of {choices}" if prompt_entries else choices
     raise ApiError(f"this reply would carry up to {entries:,} logprobs ({choices}, {k} logprobs a token); at most "
                    f"{cap:,} in a reply that is not streamed: stream it (\"stream\": true), or ask for fewer choices, "
                    "tokens or alternatives", param="n" if replies > 1 else "max_tokens")  # fmt: skip
 
 
 def check_prompt_logprobs_size(params: SamplingParams, prompts: list[list[int]], num: int, chat: bool,
-                               stream: bool, echo: bool, max_model_len: int) -> None:  # fmt: skip
+                               stream: bool, echo: bool, max_model_len: int) -> int:  # fmt: skip
     """Refuse a reply whose prompt logprobs would be too many to build: each prompt's, in each of its
     choices (a chat reply that is not streamed carries them once), twice with completions' echo and
-    logprobs (in the echoed logprobs and in prompt_logprobs)."""
+    logprobs (in the echoed logprobs and in prompt_logprobs). Returns how many it carries."""
     if params.prompt_logprobs is None:
-        return
+        return 0
     k = params.prompt_logprobs + 1
     copies = 1 if chat and not stream else num
     scored = echo and params.logprobs is not None and not chat
@@ -203,7 +207,7 @@ def check_prompt_logprobs_size(params: SamplingParams, prompts: list[list[int]],
     entries = copies * tokens * k * (2 if scored else 1)
     cap = logprob_cap(max_model_len)
     if entries <= cap:
-        return
+        return entries
     parts = ([f"{len(prompts)} prompts of {tokens:,} tokens in all"] if len(prompts) > 1 else [f"{tokens:,} prompt tokens"])
     parts += [f"{copies} choices each" if copies > 1 else None, f"{k} logprobs a token",
               "twice: echo with logprobs also fills prompt_logprobs" if scored else None]  # fmt: skip
