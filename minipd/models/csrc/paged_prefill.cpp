@@ -7,7 +7,8 @@
 // Per kv head: its keys are copied once per call into K^T (head_dim x keys, keys along the vector
 // lanes; V is read in place), then tiles of ROWS query rows (query position x query head of
 // the group, which share the kv head) sweep the keys KEYS at a time: scores by broadcasting each
-// query element against two vectors of K^T, then p * V into the tile's output. The tile shapes
+// query element against two vectors of K^T, then p * V into the tile's output (on AVX2, BAND tiles
+// take each block of keys in turn, so that it is read from memory once for them). The tile shapes
 // follow the registers the ISA has (32 vectors on AVX-512 and NEON, 16 on AVX2).
 //
 // bfloat16 on a CPU with AVX512-BF16 multiplies in vdpbf16ps instead (two products of bfloat16 into
@@ -49,6 +50,7 @@ constexpr int KEY_PAD = 32;  // keys are padded to a multiple of this (>= 2 vect
 constexpr int ROW_SKEW = 16;
 constexpr float NONE = -1e30f;  // the running max before any key; finite, as -ffast-math assumes
 static_assert(ROWS % GROUP == 0 && KEY_PAD % (2 * L) == 0 && KEYS % KEY_PAD == 0, "tile shapes");
+static_assert(2 * ROWS + 3 <= Vec::REGISTERS && GROUP * COLS + COLS + 1 <= Vec::REGISTERS, "tiles held in registers");
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIPD_PREFILL_BF16_DOT 1
 #else
@@ -60,7 +62,9 @@ template <int D>
 inline void scores(const float* q, const float* kt, int64_t ld, float s[ROWS][KEYS], int c) {
   Vec acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+#if defined(__AVX2__) && !defined(__AVX512F__)  // measured there: unrolled, K^T came from memory for each FMA
 #pragma GCC unroll 1
+#endif
   for (int d = 0; d < D; ++d) {
     const Vec k0 = Vec::load(kt + d * ld), k1 = Vec::load(kt + d * ld + L);
     for (int r = 0; r < ROWS; ++r) {
