@@ -48,6 +48,28 @@ async def api_client(tokenizer=None, listen_host="127.0.0.1", max_model_len=MAX_
         pool.kill()
 
 
+@asynccontextmanager
+async def loop_gaps(every: float = 0.005):
+    """The event loop's pauses while the block runs: a ticker's gaps between sleeps of `every`."""
+    gaps, done = [], asyncio.Event()
+
+    async def ticker():
+        last = time.monotonic()
+        while not done.is_set():
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(2 * every)
+    try:
+        yield gaps
+    finally:
+        done.set()
+        await tick
+
+
 def own_origin(client: TestClient) -> str:
     return f"http://127.0.0.1:{client.port}"
 
@@ -176,20 +198,8 @@ async def test_a_batch_is_refused_at_its_first_prompt_too_long_and_names_it(toke
 async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
     async with api_client(tokenizer, max_model_len=8192) as client:
         text = "the quick brown fox jumps over the lazy dog " * 14000  # 616,000 characters, ~140,000 tokens
-        gaps, done = [], asyncio.Event()
-
-        async def ticker():
-            last = time.monotonic()
-            while not done.is_set():
-                await asyncio.sleep(0.005)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
-        tick = asyncio.create_task(ticker())
-        resp = await client.post("/v1/completions", json={"prompt": text})
-        done.set()
-        await tick
+        async with loop_gaps() as gaps:
+            resp = await client.post("/v1/completions", json={"prompt": text})
         err = await error_of(resp)
         assert resp.status == 400 and "tokens" in err["message"]  # tokenized, then found too long
         assert max(gaps) < 0.2, max(gaps)  # on the loop it was about 0.5 s
@@ -1466,27 +1476,14 @@ async def test_a_large_reply_is_built_a_choice_at_a_time_so_other_clients_are_se
                 s.deltas.put_nowait(Delta("x", 1, "length" if j == 299 else None, logprobs=[[100, -1.0, top]]))
             return s
 
-        gaps, done = [], asyncio.Event()
-
-        async def ticker():
-            last = time.monotonic()
-            while not done.is_set():
-                await asyncio.sleep(0.002)
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-
         states = [state(i) for i in range(16)]
         gc.collect()
         gc.disable()  # a full collection of the test process's objects is a pause of its own
         try:
-            tick = asyncio.create_task(ticker())
-            await asyncio.sleep(0.01)
-            started = time.monotonic()
-            resp = await api._collect(reply_of(api, states, False))
-            took = time.monotonic() - started
-            done.set()
-            await tick
+            async with loop_gaps(0.002) as gaps:
+                started = time.monotonic()
+                resp = await api._collect(reply_of(api, states, False))
+                took = time.monotonic() - started
         finally:
             gc.enable()
         body = json.loads(resp.text)
