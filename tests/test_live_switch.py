@@ -297,9 +297,11 @@ def test_rebalancing_moves_replies_to_a_worker_that_came_back_empty():
         rounds = shown["rounds"]  # replies ending unevenly may already have moved some
         results, timelines = _crowd_then_resume(server)
         assert texts(results) == want
-        moved = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
-        assert len(moved) >= len(PROMPTS) // 2, moved  # at least the first round: half of them
-        assert all(mv["outcome"] == "moved" and mv["source"] == 0 and mv["target"] == 1 for mv in moved), moved
+        asked = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
+        moved = [mv for mv in asked if mv["outcome"] == "moved"]
+        assert len(moved) >= len(PROMPTS) // 2, asked  # at least the first round: half of them
+        assert all(mv["source"] == 0 and mv["target"] == 1 for mv in moved), moved
+        assert all(mv["outcome"] in ("moved", "ended") for mv in asked), asked  # "ended": before its seat came
         assert all(sum(mv["reason"] == "rebalance" for mv in t["moves"]) <= 1 for t in timelines)  # once at most
         assert not any(t["redos"] for t in timelines), "a reply was redone instead of moved"
         assert server.get("/admin/mode")[1]["rebalance"]["rounds"] >= rounds + 1
@@ -316,9 +318,11 @@ def test_a_reply_that_outgrew_its_seat_while_the_seat_came_is_moved_with_a_bigge
         want = texts(asyncio.run(stream_completions(server.url, PROMPTS, LONG_REPLY)))
         results, timelines = _crowd_then_resume(server, LONG_REPLY)
         assert texts(results) == want
-        moved = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
-        assert len(moved) >= len(PROMPTS) // 2, moved
-        assert all(mv["outcome"] == "moved" for mv in moved), moved
+        asked = [mv for t in timelines for mv in t["moves"] if mv["reason"] == "rebalance"]
+        moved = [mv for mv in asked if mv["outcome"] == "moved"]
+        assert len(moved) >= len(PROMPTS) // 2, asked
+        # a later round may pick a reply that then ends before its seat comes 0.5 s later: "ended"
+        assert all(mv["outcome"] in ("moved", "ended") for mv in asked), asked
         assert any(mv["attempts"] > 1 for mv in moved), moved  # the fault did make a seat too small
         assert not any(t["redos"] for t in timelines)
         wait_for_idle_workers(server, 20)

@@ -114,8 +114,10 @@ class Mover:
             grant = await r.seats.ask(state, p.key, num_tokens, headroom, source, target_roles)
         finally:
             self.asking.discard(p.key)
+        if grant is None and (state.finished or state.placement is not p):
+            return self._end(rec, "ended", "the request ended while its seat was on the way")
         if grant is None:
-            return self._end(rec, "no_seat", "no worker that can decode had room, or the request ended")
+            return self._end(rec, "no_seat", "no worker that can decode had room (or a switch or a lost worker withdrew the ask)")
         reader, seat = grant
         rec.target = reader
         if state.finished or state.placement is not p or p.reader is not None or not r.pool.workers[source].alive:
