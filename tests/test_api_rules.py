@@ -1509,3 +1509,19 @@ async def test_a_reply_is_refused_when_its_prompt_and_its_own_logprobs_together_
         resp = await client.post("/v1/completions", json=body)
         err = await error_of(resp)
         assert resp.status == 400 and "537,600" in err["message"], err
+
+
+async def test_a_path_with_a_trailing_slash_is_redirected_as_vllm_does():
+    """Defect (noticed by a new-user pass): POST /v1/chat/completions/ was a bare 404 where vLLM
+    (Starlette) answers 307 to the path without the slash, which keeps the method and the body."""
+    async with api_client() as client:
+        for method, path in [("POST", "/v1/chat/completions/"), ("POST", "/v1/completions/"), ("GET", "/v1/models/"),
+                             ("GET", "/health/"), ("GET", "/admin/mode/")]:  # fmt: skip
+            resp = await client.request(method, path, json={}, allow_redirects=False)
+            assert (resp.status, resp.headers.get("Location")) == (307, path.rstrip("/")), (method, path)
+        resp = await client.get("/v1/models/", allow_redirects=True)
+        assert resp.status == 200 and (await resp.json())["data"][0]["id"] == "tiny"
+        resp = await client.get("/v1/nothing/")  # no route with or without the slash: still the JSON 404
+        assert resp.status == 404 and (await error_of(resp))["message"] == "Not Found"
+        resp = await client.get("/v1/models/", headers={"Host": "evil.example"}, allow_redirects=False)
+        assert resp.status == 403  # the host is refused before any redirect names it

@@ -17,6 +17,7 @@ from itertools import takewhile
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.web_middlewares import normalize_path_middleware
 from aiohttp.web_protocol import RequestPayloadError
 
 from minipd.server import protocol as p
@@ -81,6 +82,10 @@ async def errors_as_json(request: web.Request, handler):
         log.exception("unhandled error")
         return json_error(ApiError("internal server error", 500, type_="server_error"))
 
+
+# vLLM's (Starlette's): /v1/models/ is answered 307 to /v1/models, which keeps the method and body
+SLASH_REMOVED = normalize_path_middleware(append_slash=False, remove_slash=True, merge_slashes=False,
+                                         redirect_class=web.HTTPTemporaryRedirect)  # fmt: skip
 
 GUARDED_HEADERS = ("Host", "Origin", "Sec-Fetch-Site", "Access-Control-Request-Method")
 
@@ -164,7 +169,7 @@ class Api:
         return ApiRunner(self.app(), **kwargs)
 
     def app(self) -> web.Application:
-        middlewares = [errors_as_json, guard_browsers(self.guard)]
+        middlewares = [errors_as_json, guard_browsers(self.guard), SLASH_REMOVED]
         middlewares += [require_api_key(self.api_key)] if self.api_key else []
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.on_response_prepare.append(add_cors_headers)
