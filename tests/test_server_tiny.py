@@ -412,6 +412,38 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks_streamed_or_
 
 
 @pytest.mark.asyncio
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_makes_no_reply(server):
+    """Defect (a new-user pass): OpenAI's legacy scoring request, and vLLM's, echo with max_tokens 0,
+    was a 400. The reply is the prompt, its tokens' logprobs as with max_tokens 1, no token of its
+    own: finish_reason "length", 0 completion tokens, streamed or not; without echo 0 stays a 400."""
+    prompt = [5, 17, 300, 42, 8, 99]
+    kw = {"echo": True, "logprobs": 2, "return_token_ids": True}
+    one = completion(server, prompt, max_tokens=1, **kw)["choices"][0]
+    body = completion(server, prompt, max_tokens=0, **kw)
+    zero = body["choices"][0]
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(prompt)
+    assert (zero["finish_reason"], zero["stop_reason"], zero["token_ids"]) == ("length", None, [])
+    assert zero["logprobs"]["tokens"] == one["logprobs"]["tokens"][: len(prompt)]
+    assert zero["logprobs"]["token_logprobs"][1:] == pytest.approx(one["logprobs"]["token_logprobs"][1 : len(prompt)], abs=1e-4)
+    assert zero["text"] == "".join(zero["logprobs"]["tokens"]) and one["text"].startswith(zero["text"])
+    assert len(one["text"]) > len(zero["text"])
+    status, raw = await asyncio.to_thread(http, "POST", server.url + "/v1/completions",
+                                          {"prompt": prompt, **kw, "max_tokens": 0, "stream": True,
+                                           "stream_options": {"include_usage": True}})  # fmt: skip
+    chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert status == 200 and "".join(c["text"] for c in parts) == zero["text"]
+    assert [t for c in parts if c.get("logprobs") for t in c["logprobs"]["tokens"]] == zero["logprobs"]["tokens"]
+    assert parts[-1]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 0
+    for bad in ({"prompt": prompt, "max_tokens": 0}, {"prompt": prompt, "max_tokens": 0, "echo": False},
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0, "echo": True}):  # fmt: skip
+        path = "/v1/chat/completions" if "messages" in bad else "/v1/completions"
+        status, err = server.post(path, bad)
+        assert status == 400 and err["error"]["param"] == "max_tokens", (bad, err)
+    wait_for_idle_workers(server, 10)
+
+
+@pytest.mark.asyncio
 async def test_a_one_token_prompt_echoes_with_logprobs_and_gets_one_null_prompt_logprob(server):
     """A one-token prompt has no prompt token to score: echo with logprobs is [null] (it was a 500),
     prompt_logprobs is [null] as vLLM's (it was []), streamed or not."""

@@ -23,7 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
-from minipd.server.choices import Reply, choice_params, deltas_of
+from minipd.server.choices import Reply, choice_params
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable, shown
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, BodyCutShort, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
@@ -322,7 +322,7 @@ class Api:
         token_text = token_id_text if p.flag(body, "return_tokens_as_token_ids") else self._token_text
         rid = p.new_id("chatcmpl" if chat else "cmpl")
         reply = Reply(rid, [], chat, [echo for echo in echoes for _ in range(num)], token_text,
-                      sum(map(len, prompts)), p.flag(body, "return_token_ids"))  # fmt: skip
+                      sum(map(len, prompts)), p.flag(body, "return_token_ids"), p.echo_only(body, chat))  # fmt: skip
         try:
             for index in range(total):  # every choice a request of its own; a lone one keeps the reply's id
                 ids, params_i = prompts[index // num], choice_params(params, index % num)
@@ -342,7 +342,7 @@ class Api:
         states, chat = reply.states, reply.chat
         texts, counts, ends = [""] * len(states), [0] * len(states), [None] * len(states)
         logprobs, token_ids = [[] for _ in states], [[] for _ in states]
-        async with aclosing(deltas_of(states)) as deltas:
+        async with aclosing(reply.deltas()) as deltas:
             async for i, d in deltas:
                 texts[i] += d.text
                 token_ids[i] += d.token_ids or []
@@ -359,8 +359,8 @@ class Api:
         params = states[0].params
         if reply.return_token_ids and chat:
             body["prompt_token_ids"] = states[0].prompt_token_ids
-        for choice, entries, state, echo, ids in zip(body["choices"], logprobs, states, reply.echoes, token_ids):
-            choice["stop_reason"] = state.stop_reason
+        for i, (choice, entries, state, echo, ids) in enumerate(zip(body["choices"], logprobs, states, reply.echoes, token_ids)):
+            choice["stop_reason"] = reply.stop_reason(i)
             if reply.return_token_ids:
                 choice.update({"token_ids": ids} if chat else {"prompt_token_ids": state.prompt_token_ids, "token_ids": ids})
             writer = LogprobsWriter(reply.token_text, chat)
@@ -439,7 +439,7 @@ class Api:
             for i in range(len(states)):
                 await send_chunk(chunk({"role": "assistant", "content": ""}, None, i), i)
         started = [False] * len(states)
-        async with aclosing(deltas_of(states)) as deltas:
+        async with aclosing(reply.deltas()) as deltas:
             async for i, d in deltas:
                 if not started[i] and not d.error:  # the prompt's part comes first: known once its first token is
                     started[i] = True
@@ -454,7 +454,7 @@ class Api:
                     text = {"content": d.text} if chat and (d.text or not d.finish_reason) else {} if chat else d.text
                     obj = chunk(text, d.finish_reason, i)
                     if d.finish_reason:
-                        obj["choices"][0]["stop_reason"] = states[i].stop_reason
+                        obj["choices"][0]["stop_reason"] = reply.stop_reason(i)
                     await send_chunk(obj, i, d.token_ids)
         if opts.include_usage:
             obj = chunk({}, None)

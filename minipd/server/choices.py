@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from minipd.sampling_params import SamplingParams
@@ -23,6 +24,13 @@ class Reply:
     token_text: Callable[[int], str]  # how logprobs name a token
     prompt_tokens: int  # the usage's: each prompt counted once, however many choices it has
     return_token_ids: bool = False  # vLLM's: the prompt's and the reply's token ids beside the text
+    echo_only: bool = False  # completions' echo with max_tokens 0: the one token made is left out
+
+    def deltas(self) -> AsyncIterator[tuple[int, Delta]]:
+        return only_the_end(deltas_of(self.states)) if self.echo_only else deltas_of(self.states)
+
+    def stop_reason(self, index: int):
+        return None if self.echo_only else self.states[index].stop_reason
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -59,3 +67,13 @@ async def deltas_of(states: list[RequestState]) -> AsyncIterator[tuple[int, Delt
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def only_the_end(deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """The deltas with their tokens left out: each choice ends at its length (max_tokens 0), or in its error."""
+    async with aclosing(deltas):
+        async for i, d in deltas:
+            if d.error:
+                yield i, d
+            elif d.finish_reason:
+                yield i, Delta("", 0, "length")

@@ -86,6 +86,12 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
     return kind(value)
 
 
+def echo_only(body: dict, chat: bool) -> bool:
+    """Completions' echo with max_tokens 0 (OpenAI's legacy scoring request, and vLLM's): the reply
+    is the prompt, with its logprobs if asked, and no token of its own."""
+    return not chat and body.get("echo") is True and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+
+
 def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, prompt_len: int,
                     prompt_param: str = "prompt", vocab_size: int = INT64, chat: bool = False) -> SamplingParams:  # fmt: skip
     """max_tokens_default: when the client gives no max_tokens (bounded by what the context has left);
@@ -101,7 +107,9 @@ def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, pro
     if penalties["repetition_penalty"] == 0:
         raise ApiError("'repetition_penalty' must be > 0 (1 is off)", param="repetition_penalty")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    requested = _number(body, field, None, int, low=1)
+    requested = _number(body, field, None, int, low=0 if echo_only(body, chat) else 1)
+    if requested == 0:  # the prompt scored, no reply: the engine makes one token, which the reply leaves out
+        requested = 1
     context_left = max_model_len - prompt_len
     if context_left < 1:
         raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your "
