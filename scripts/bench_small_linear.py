@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 
-
 SMALL_ROWS = 8
 
 

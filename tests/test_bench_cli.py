@@ -8,9 +8,8 @@ import threading
 import pytest
 from aiohttp import web
 
-from minipd.bench import experiment
+from minipd.bench import experiment, plan_main
 from minipd.bench import main as bench_main
-from minipd.bench import plan_main
 from minipd.bench.main import run
 from minipd.bench.plan import Profile, Traffic, decode_tpot
 from tests.helpers import serving

@@ -338,7 +338,7 @@ async def test_logprobs_through_the_openai_client_are_the_same_whichever_worker_
     finally:
         server.post("/admin/mode", {"mode": "colocated"})
         await client.close()
-    for mode, (lp, content, text) in got.items():
+    for lp, content, text in got.values():
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5 and "".join(lp.tokens) == text
         assert all(len(top) in (2, 3) and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
         assert len(content) == 4 and all(len(x.top_logprobs) == 3 and x.top_logprobs[0].token == x.token for x in content)
@@ -394,7 +394,7 @@ async def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks_streamed_or_
     finally:
         server.post("/admin/mode", {"mode": "colocated"})
     plain = completion(server, prompt, max_tokens=1)["choices"][0]["text"]
-    for mode, (choice, raw) in got.items():
+    for choice, raw in got.values():
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         assert all(v is not None and v <= 0 for v in lp["token_logprobs"][1:])

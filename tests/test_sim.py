@@ -413,7 +413,7 @@ def test_one_co_runner_factor_where_only_prompts_ran_beside_another():
         steps.append({"worker": 0, "time": t, "end": t + truth.seconds(p, 0, d, 0), "prefill_tokens": p,
                       "prefill_attention": 0, "decodes": d, "decode_context": 0})  # fmt: skip
         t += 1.0
-    for i in range(6):  # both workers read a 200-token prompt at once, 10% slower
+    for _ in range(6):  # both workers read a 200-token prompt at once, 10% slower
         for w in (0, 1):
             steps.append({"worker": w, "time": t, "end": t + truth.seconds(200, 0, 0, 0) * 1.1, "prefill_tokens": 200,
                           "prefill_attention": 0, "decodes": 0, "decode_context": 0})  # fmt: skip

@@ -9,7 +9,6 @@ from minipd.models.attention import AttentionMetadata, PrefillSpan
 from minipd.models.linear import use_cpu_kernels
 from minipd.models.llama import LlamaForCausalLM
 
-
 PROMPT_SLICE = 256  # prompt rows whose vocabulary logits are held at once (256 x 49152 floats: 48 MiB)
 
 

@@ -284,6 +284,7 @@ class SimWorker:
         starts, ends, at_client = [], [], []
         start, times = sim.now, step.decode_run_seconds(decodes, context, run.steps)
         times[0] = seconds
+        end = start - gap  # so that the first step starts now
         for i, seconds in enumerate(times):
             if i:
                 start = end + gap
