@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from minipd.sampling_params import SamplingParams
 from minipd.server import events as events_module
-from minipd.server.app import Api
+from minipd.server.app import Api, sse_event
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply
 from minipd.server.metrics import Metrics
@@ -1525,3 +1525,58 @@ async def test_a_path_with_a_trailing_slash_is_redirected_as_vllm_does():
         assert resp.status == 404 and (await error_of(resp))["message"] == "Not Found"
         resp = await client.get("/v1/models/", headers={"Host": "evil.example"}, allow_redirects=False)
         assert resp.status == 403  # the host is refused before any redirect names it
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_long_prompt_scored_with_20_logprobs_does_not_hold_other_clients(tokenizer, stream):
+    """Defect (a hostile-client helper): lm-eval's request on a whole context, echo with logprobs 20
+    and prompt_logprobs 20 (under the cap), built its prompt's logprobs on the event loop, decoding
+    each token's text anew: every other client waited 1.9 s (2.1 s streamed) on the default model."""
+    from minipd.server.protocol import StreamOptions, completion_chunk
+    from minipd.server.request_state import Delta
+
+    n = 4095
+    ids = [(7 * i) % 40000 + 100 for i in range(n)]
+    entries = [None] + [[t, -1.5, 3, [[(t + k) % 40000 + 100, -1.0 - k / 10] for k in range(20)]] for t in ids[1:]]
+    async with api_client(tokenizer, max_model_len=8192) as client:
+        api = client.api
+        s = SimpleNamespace(request_id="r", prompt_token_ids=ids, deltas=asyncio.Queue(), stop_reason=None,
+                            params=SamplingParams(max_tokens=1, logprobs=20, prompt_logprobs=20),
+                            prompt_entries=lambda: entries)  # fmt: skip
+        s.deltas.put_nowait(Delta("x", 1, "length", logprobs=[[100, -1.0, [[100, -1.0]]]]))
+        reply = reply_of(api, [s], False)
+        reply.echoes = [tokenizer.decode(ids)]
+        sent = []
+
+        async def send(obj):  # as the stream's: each chunk encoded as it goes
+            sent.append(await sse_event(obj))
+
+        gc.collect()
+        gc.disable()
+        try:
+            async with loop_gaps(0.002) as gaps:
+                if stream:
+                    await api._stream_deltas(reply, send, lambda delta, end, index=0: completion_chunk("r", "m", 0, delta, end),
+                                             StreamOptions(stream=True))  # fmt: skip
+                else:
+                    sent.append((await api._collect(reply)).text)
+        finally:
+            gc.enable()
+    first = sent[0].decode()[len("data: ") :] if stream else sent[0]
+    choice = json.loads(first)["choices"][0]
+    assert len(choice["logprobs"]["tokens"]) == n + (0 if stream else 1) and len(choice["prompt_logprobs"]) == n
+    assert choice["logprobs"]["tokens"][:3] == [tokenizer.decode([t]) for t in ids[:3]]
+    assert max(gaps) < 0.1, max(gaps)  # 0.6 s before
+
+
+async def test_echo_only_is_decided_by_the_field_that_sets_the_replys_length():
+    """Defect (a hostile-client helper): echo with max_tokens 0 and max_completion_tokens 2000 made
+    2,000 tokens and sent none: the reply's length came from one field, echo-only from the other."""
+    from minipd.server.protocol import echo_only, sampling_params
+
+    both = {"echo": True, "max_tokens": 0, "max_completion_tokens": 2000}
+    assert not echo_only(both, chat=False) and sampling_params(both, 16, MAX_MODEL_LEN, 4).max_tokens == 2000
+    only = {"echo": True, "max_completion_tokens": 0}
+    assert echo_only(only, chat=False) and sampling_params(only, 16, MAX_MODEL_LEN, 4).max_tokens == 1
+    assert not echo_only({"echo": True, "max_tokens": False}, chat=False)
+    assert not echo_only({"echo": True, "max_tokens": 0}, chat=True)

@@ -24,6 +24,7 @@ from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
 from minipd.server.browser_guard import BrowserGuard
 from minipd.server.choices import Reply, choice_params
+from minipd.server.encode import dumps_in_pieces
 from minipd.server.errors import Conflict, InvalidRequest, NotFound, Overloaded, ServeError, Unavailable, shown
 from minipd.server.http_runner import SUPPORTED_ENCODINGS, ApiRunner, BodyCutShort, http_exception_as_json
 from minipd.server.logprobs import LogprobsWriter, vllm_prompt_logprobs
@@ -40,6 +41,7 @@ STATUS = {InvalidRequest: (400, "invalid_request_error"), NotFound: (404, "inval
 OPEN_PATHS = ("/health", "/metrics")
 MIN_BODY_LIMIT = 8 * 2**20  # parsing a body holds the event loop: 8 MiB of token ids take ~0.25 s, 32 MiB ~1 s
 CORS = web.RequestKey("cors", dict)
+INLINE_LOGPROBS = 512  # tokens whose logprobs are built on the loop; more are built in a thread
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the loop (well under a millisecond)
 TEMPLATE_CHARS_PER_MESSAGE = 64  # what a chat template adds around each message, about
 MAX_BODY_LIMIT = 16 * 2**20
@@ -52,6 +54,12 @@ SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contro
 
 def json_error(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
+
+
+async def sse_event(obj: dict | bytes) -> bytes:
+    """One server-sent event; a chunk with a whole prompt's logprobs is encoded a slice at a time."""
+    data = obj if isinstance(obj, bytes) else (await dumps_in_pieces(obj, ensure_ascii=False)).encode()
+    return b"data: " + data + b"\n\n"
 
 
 def as_api_error(err: ServeError) -> ApiError:
@@ -161,6 +169,9 @@ class Api:
         self.tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize")
         # /tokenize and /detokenize: a client's 8 MB text there does not hold up the prompts being served
         self.endpoint_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-tokenize-endpoint")
+        # a prompt's logprobs, whole contexts of them, are built here (the loop gets the GIL between bytecodes)
+        self.reply_thread = ThreadPoolExecutor(1, thread_name_prefix="minipd-reply")
+        self.token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (at most the vocabulary)
         self.body_timeout_s = BODY_TIMEOUT_S
         self.max_body_bytes = min(MAX_BODY_LIMIT, max(MIN_BODY_LIMIT, 2 * max_model_len * self.max_token_chars))
 
@@ -363,42 +374,58 @@ class Api:
             choice["stop_reason"] = reply.stop_reason(i)
             if reply.return_token_ids:
                 choice.update({"token_ids": ids} if chat else {"prompt_token_ids": state.prompt_token_ids, "token_ids": ids})
-            writer = LogprobsWriter(reply.token_text, chat)
             scored = echo is not None and params.logprobs is not None and not chat  # completions' echo has logprobs
-            head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if scored else None
-            if params.logprobs is not None:
-                choice["logprobs"] = writer(entries)
-                if head is not None:
-                    choice["logprobs"] = {k: head[k] + v for k, v in choice["logprobs"].items()}
+            big = len(state.prompt_token_ids) + len(entries) > INLINE_LOGPROBS
+            await self._maybe_off_loop(big, self._fill_logprobs, reply, choice, state, entries, scored)
             if echo is not None and chat:
                 choice["message"]["content"] = echo + choice["message"]["content"]
             elif echo is not None:
                 choice["text"] = echo + choice["text"]
-            if params.prompt_logprobs is not None and not chat:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
             await asyncio.sleep(0)  # a reply of many choices is built a choice at a time: other clients go on between
         if params.prompt_logprobs is not None and chat:
-            body["prompt_logprobs"] = vllm_prompt_logprobs(states[0].prompt_entries(), self._token_text)
+            body["prompt_logprobs"] = await self._maybe_off_loop(len(states[0].prompt_token_ids) > INLINE_LOGPROBS,
+                                                                 vllm_prompt_logprobs, states[0].prompt_entries(),
+                                                                 self._token_text)  # fmt: skip
         choices = []
-        for choice in body["choices"]:  # and encoded so
-            choices.append(json.dumps(choice))
+        for choice in body["choices"]:  # and encoded so, long lists a slice at a time
+            choices.append(await dumps_in_pieces(choice))
             await asyncio.sleep(0)
         body["choices"] = HERE
-        text = json.dumps(body).replace(json.dumps(HERE), "[" + ", ".join(choices) + "]", 1)  # the first: before any text
+        text = (await dumps_in_pieces(body)).replace(json.dumps(HERE), "[" + ", ".join(choices) + "]", 1)  # the first: before any text
         return web.Response(text=text, content_type="application/json")
+
+    def _fill_logprobs(self, reply: Reply, choice: dict, state, entries: list, scored: bool) -> None:
+        """A choice's logprobs (with completions' echo, its prompt's first) and prompt_logprobs."""
+        params = state.params
+        if params.logprobs is not None:
+            writer = LogprobsWriter(reply.token_text, reply.chat)
+            head = writer.echoed(state.prompt_token_ids, state.prompt_entries()) if scored else None
+            choice["logprobs"] = writer(entries)
+            if head is not None:
+                choice["logprobs"] = {k: head[k] + v for k, v in choice["logprobs"].items()}
+        if params.prompt_logprobs is not None and not reply.chat:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
+
+    async def _maybe_off_loop(self, big: bool, fn, *args):
+        """Logprobs of a few thousand tokens take a while to build (about 0.1 s per 4,000 tokens of 20)."""
+        if not big:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.reply_thread, fn, *args)
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return token_id_text(token_id)  # as vLLM without a tokenizer
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self.token_texts.get(token_id)
+        if text is None:  # a whole context's logprobs name 20 tokens per token: decoded once each
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     async def _stream(self, request, reply: Reply, opts: p.StreamOptions) -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         created = p.now()
 
         async def send(obj: dict | bytes) -> None:
-            data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
-            await resp.write(b"data: " + data + b"\n\n")
+            await resp.write(await sse_event(obj))
 
         def chunk(delta, finish_reason, index: int = 0):
             make = p.chat_chunk if reply.chat else p.completion_chunk
@@ -473,11 +500,14 @@ class Api:
         if echo is None and params.prompt_logprobs is None:
             return
         obj = chunk(({"content": echo} if echo is not None else {}) if chat else echo or "", None, index)
+        big = len(state.prompt_token_ids) > INLINE_LOGPROBS
         if echo is not None and writer is not None and not chat:
-            obj["choices"][0]["logprobs"] = writer.echoed(state.prompt_token_ids, state.prompt_entries())
+            echoed = await self._maybe_off_loop(big, writer.echoed, state.prompt_token_ids, state.prompt_entries())
+            obj["choices"][0]["logprobs"] = echoed
         if params.prompt_logprobs is not None:
             where = obj if chat else obj["choices"][0]
-            where["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
+            where["prompt_logprobs"] = await self._maybe_off_loop(big, vllm_prompt_logprobs, state.prompt_entries(),
+                                                                  self._token_text)  # fmt: skip
         await send(obj)
 
     # ---- the rest ----------------------------------------------------------------------
@@ -727,7 +757,7 @@ class Api:
         return body
 
     async def _stop_tokenizing(self, app) -> None:
-        for pool in (self.tokenize_thread, self.endpoint_thread):
+        for pool in (self.tokenize_thread, self.endpoint_thread, self.reply_thread):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _tokenizer(self):

@@ -89,7 +89,9 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None):
 def echo_only(body: dict, chat: bool) -> bool:
     """Completions' echo with max_tokens 0 (OpenAI's legacy scoring request, and vLLM's): the reply
     is the prompt, with its logprobs if asked, and no token of its own."""
-    return not chat and body.get("echo") is True and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+    value = body.get("max_completion_tokens")
+    value = body.get("max_tokens") if value is None else value  # the field sampling_params reads
+    return not chat and body.get("echo") is True and type(value) is int and value == 0
 
 
 def sampling_params(body: dict, max_tokens_default: int, max_model_len: int, prompt_len: int,
