@@ -16,6 +16,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from yarl import URL
 
 from minipd.sampling_params import SamplingParams
 from minipd.server import events as events_module
@@ -1525,6 +1526,21 @@ async def test_a_path_with_a_trailing_slash_is_redirected_as_vllm_does():
         assert resp.status == 404 and (await error_of(resp))["message"] == "Not Found"
         resp = await client.get("/v1/models/", headers={"Host": "evil.example"}, allow_redirects=False)
         assert resp.status == 403  # the host is refused before any redirect names it
+
+
+async def test_the_trailing_slash_redirect_keeps_the_query_as_sent_and_never_leaves_the_server():
+    """Defects (a hostile-client helper, in the redirect above): /v1/models/tiny/ was a 404 (the
+    model route took the slash into the id); the query came back decoded (?a=%3F as ?a=?); and
+    //admin/mode/ was sent to //admin/mode, which a browser reads as the host 'admin'."""
+    async with api_client() as client:
+        for path, where in [("/v1/models/tiny/", "/v1/models/tiny"), ("/health/?a=%3F&b=%2F", "/health?a=%3F&b=%2F"),
+                            ("/v1/chat/completions/", "/v1/chat/completions")]:  # fmt: skip
+            url = URL(f"{own_origin(client)}{path}", encoded=True)  # sent as written, not re-quoted
+            resp = await client.session.get(url, allow_redirects=False)  # the last: a GET where only POST is served
+            assert (resp.status, resp.headers.get("Location")) == (307, where), path
+        for path in ("//admin/mode/", "//v1/models/", "/v1/nothing/"):
+            resp = await client.session.get(URL(f"{own_origin(client)}{path}", encoded=True), allow_redirects=False)
+            assert resp.status == 404 and "Location" not in resp.headers, path
 
 
 @pytest.mark.parametrize("stream", [False, True])

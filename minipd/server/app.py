@@ -17,8 +17,9 @@ from itertools import takewhile
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.web_middlewares import normalize_path_middleware
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import SystemRoute
+from yarl import URL
 
 from minipd.server import protocol as p
 from minipd.server.advisor import GOODPUT_MEANING
@@ -91,9 +92,25 @@ async def errors_as_json(request: web.Request, handler):
         return json_error(ApiError("internal server error", 500, type_="server_error"))
 
 
-# vLLM's (Starlette's): /v1/models/ is answered 307 to /v1/models, which keeps the method and body
-SLASH_REMOVED = normalize_path_middleware(append_slash=False, remove_slash=True, merge_slashes=False,
-                                         redirect_class=web.HTTPTemporaryRedirect)  # fmt: skip
+def without_trailing_slash(request: web.Request) -> str | None:
+    """Where vLLM (Starlette) sends a path with a trailing slash: the path without it, the query as
+    sent; None where that would leave this server (a Location of //host/... names another host)."""
+    path, sep, query = request.raw_path.partition("?")
+    bare = path.rstrip("/")
+    if not path.endswith("/") or not bare or bare.startswith("//"):
+        return None
+    return bare + sep + query
+
+
+@web.middleware
+async def redirect_trailing_slash(request: web.Request, handler):
+    """A 307 (the method and body are kept) where the path without its slash would be served."""
+    if isinstance(request.match_info.route, SystemRoute) and (where := without_trailing_slash(request)):
+        match = await request.app.router.resolve(request.clone(rel_url=where))
+        if match.http_exception is None or match.http_exception.status != 404:  # served, or not with this method
+            raise web.HTTPTemporaryRedirect(URL(where, encoded=True))  # as sent: yarl would decode it
+    return await handler(request)
+
 
 GUARDED_HEADERS = ("Host", "Origin", "Sec-Fetch-Site", "Access-Control-Request-Method")
 
@@ -180,7 +197,7 @@ class Api:
         return ApiRunner(self.app(), **kwargs)
 
     def app(self) -> web.Application:
-        middlewares = [errors_as_json, guard_browsers(self.guard), SLASH_REMOVED]
+        middlewares = [errors_as_json, guard_browsers(self.guard), redirect_trailing_slash]
         middlewares += [require_api_key(self.api_key)] if self.api_key else []
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.on_response_prepare.append(add_cors_headers)
@@ -520,6 +537,8 @@ class Api:
 
     async def model(self, request) -> web.Response:
         name = request.match_info["model"]
+        if name.endswith("/") and name.rstrip("/") == self.model_name and (where := without_trailing_slash(request)):
+            raise web.HTTPTemporaryRedirect(URL(where, encoded=True))  # the route's id takes the slash: as any other path's
         if name != self.model_name:
             raise ApiError(f"model {shown(name)} is not served here; this server serves {self.model_name!r}",
                            404, param="model", code="model_not_found")  # fmt: skip
