@@ -398,3 +398,26 @@ async def test_a_move_that_ends_after_its_request_finished_is_in_the_finished_ti
     record = await asyncio.wait_for(move, 1)
     assert (record.outcome, record.target) == ("ended", None), record  # not "no_seat": there was room
     assert [mv["outcome"] for mv in router.timeline("r")["moves"]] == ["ended"]
+
+
+@pytest.mark.asyncio
+async def test_a_switch_does_not_wait_for_a_seat_that_no_worker_has_room_for():
+    """Defect (a helper, 8 long replies, chunked -> disagg with one decode worker): a reply's move
+    waited for a seat until the reply ended, 6.5-8.3 s, and the switch answered only then. Moves
+    still asking for a seat after the switch's patience are reported under way; the switch answers."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
+    await placed(router)
+    pool.workers[0].draining = True
+    started = time.monotonic()
+    moving = asyncio.ensure_future(router.mover.move_all([state], "switch", timeout=30.0, seat_patience=0.2))
+    [(reader, ask)] = await sent(pool, m.ReserveSeats)
+    await asyncio.sleep(0.5)  # a seat slow to come (no answer yet) is waited for
+    assert not moving.done()
+    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, None] for key, *_ in ask.seats]))  # no room
+    records = await asyncio.wait_for(moving, 2.0)
+    assert time.monotonic() - started < 2.5
+    assert [x.outcome for x in records] == ["under_way"] and "seat" in records[0].detail
+    for task in list(router.tasks):
+        task.cancel()

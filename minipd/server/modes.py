@@ -149,6 +149,7 @@ def check_whatever_it_meets(body: dict, num_workers: int) -> None:
 
 
 ACK_POLL_S = 0.25  # how often a switch waiting for the workers' answers looks for one gone silent
+SEAT_PATIENCE_S = 1.0  # a switch answers once its moves that wait for a seat have waited this long (they go on)
 
 
 class ModeSwitcher:
@@ -230,7 +231,7 @@ class ModeSwitcher:
             wait = self.move_timeout if self.move_timeout is not None else r.limits.kv_transfer_timeout + 5.0
             try:
                 self.moving = r.mover.misplaced()
-                moves = await r.mover.move_all(self.moving, "switch", wait)
+                moves = await r.mover.move_all(self.moving, "switch", wait, seat_patience=SEAT_PATIENCE_S)
             finally:
                 self.moving = None
             outcome = {"from": old.as_dict(), "to": mode.as_dict(), "changed": True, "drain": drain,

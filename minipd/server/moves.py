@@ -62,18 +62,35 @@ class Mover:
         return [s for s in self.router.requests.values()
                 if (w := self.settled_on(s)) is not None and not self.can_decode(workers[w])]  # fmt: skip
 
-    async def move_all(self, states: list, reason: str, timeout: float) -> list[MoveRecord]:
-        """Move these requests to workers that can decode, all at once; wait up to `timeout`."""
+    async def move_all(self, states: list, reason: str, timeout: float,
+                       seat_patience: float | None = None) -> list[MoveRecord]:  # fmt: skip
+        """Move these requests to workers that can decode, all at once; wait up to `timeout`, and no
+        longer than `seat_patience` for moves that all wait for a seat every worker that could give
+        it has refused for lack of room (it comes when replies end there, which may be minutes)."""
         tasks = [self.router.spawn(self.move(s, reason)) for s in states]
         if not tasks:
             return []
-        done, _ = await asyncio.wait(tasks, timeout=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        patience = min(timeout, seat_patience) if seat_patience is not None else timeout
+        done, pending = await asyncio.wait(tasks, timeout=patience)
+
+        def seatless() -> bool:  # every move left waits for room, not for a slow answer
+            return all(s.placement is not None and s.placement.key in self.asking
+                       and self.router.seats.waiting_for_room(s.placement.key)
+                       for t, s in zip(tasks, states) if t in pending)  # fmt: skip
+
+        while pending and loop.time() < deadline and not seatless():
+            more, pending = await asyncio.wait(pending, timeout=min(0.05, max(0.0, deadline - loop.time())))
+            done |= more
         records = []
         for task, state in zip(tasks, states):
             if task not in done:  # it goes on, past the caller's patience: counted, not dropped
                 key = state.placement.key if state.placement else ""
+                why = (f"waiting for a seat (no worker that can decode had room) after {patience:g} s"
+                       if key in self.asking else f"not over after {timeout:g} s")  # fmt: skip
                 records.append(MoveRecord(state.request_id, key, -1, reason, time.time(), outcome="under_way",
-                                          detail=f"not over after {timeout:g} s; its end is in the request's timeline"))  # fmt: skip
+                                          detail=f"{why}; its end is in the request's timeline"))  # fmt: skip
             elif not task.cancelled() and task.exception() is None:
                 records.append(task.result())
         return records

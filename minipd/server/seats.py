@@ -103,6 +103,14 @@ class SeatBroker:
             else:
                 self.queue.extendleft(reversed(take))
 
+    def waiting_for_room(self, key: str) -> bool:
+        """This seat is asked for, and every worker that could give it has said it has no room now."""
+        want = next((w for w in self.queue if w.key == key), None)
+        if want is None:
+            return False
+        could = [w for w in self.pool.workers if w.alive and not w.draining and want.fits(w)]
+        return all(w.worker_id in self.full for w in could)
+
     def on_reply(self, msg: m.SeatsReserved) -> None:
         entry = self.in_flight.get(msg.worker_id)
         if entry is None or entry[0] != msg.batch:
