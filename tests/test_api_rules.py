@@ -1596,3 +1596,17 @@ async def test_echo_only_is_decided_by_the_field_that_sets_the_replys_length():
     assert echo_only(only, chat=False) and sampling_params(only, 16, MAX_MODEL_LEN, 4).max_tokens == 1
     assert not echo_only({"echo": True, "max_tokens": False}, chat=False)
     assert not echo_only({"echo": True, "max_tokens": 0}, chat=True)
+
+
+async def test_the_trailing_slash_redirect_never_names_another_server_nor_comes_before_the_key():
+    """Defects (a review of the redirect): a request line in absolute form, GET
+    http://localhost:6379/v1/models/, was answered 307 to http://localhost:6379/v1/models (the Host
+    check lets localhost through on loopback); and with --api-key, /admin/mode/ without the key
+    got its 307 before the 401, which said which routes exist."""
+    async with raw_server() as port:
+        status, headers, _ = await raw_exchange(port, b"GET http://localhost:6379/v1/models/ HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        assert "location" not in headers and status.split()[1] == b"404", (status, headers)
+    async with api_client(api_key="k") as client:
+        assert (await client.get("/admin/mode/", allow_redirects=False)).status == 401
+        resp = await client.get("/admin/mode/", headers={"Authorization": "Bearer k"}, allow_redirects=False)
+        assert (resp.status, resp.headers.get("Location")) == (307, "/admin/mode")

@@ -421,3 +421,22 @@ async def test_a_switch_does_not_wait_for_a_seat_that_no_worker_has_room_for():
     assert [x.outcome for x in records] == ["under_way"] and "seat" in records[0].detail
     for task in list(router.tasks):
         task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_move_whose_request_was_redone_while_its_seat_was_sought_does_not_say_it_ended():
+    """Defect (review): a request placed anew (a redo after its worker was lost) while its move
+    sought a seat was recorded 'ended', 'the request ended', though it was still running."""
+    from minipd.server.request_state import Placement
+
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
+    await placed(router)
+    pool.workers[0].draining = True
+    move = asyncio.ensure_future(router.mover.move(state, "drain"))
+    [(reader, ask)] = await sent(pool, m.ReserveSeats)
+    state.placement = Placement(state.new_key())  # as a redo places it
+    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, [7]] for key, *_ in ask.seats]))
+    record = await asyncio.wait_for(move, 1)
+    assert record.outcome == "no_seat" and "redone" in record.detail and not state.finished, record

@@ -95,6 +95,8 @@ async def errors_as_json(request: web.Request, handler):
 def without_trailing_slash(request: web.Request) -> str | None:
     """Where vLLM (Starlette) sends a path with a trailing slash: the path without it, the query as
     sent; None where that would leave this server (a Location of //host/... names another host)."""
+    if not request.raw_path.startswith("/"):  # absolute-form (http://host/...): its authority is not ours to send to
+        return None
     path, sep, query = request.raw_path.partition("?")
     bare = path.rstrip("/")
     if not path.endswith("/") or not bare or bare.startswith("//"):
@@ -197,8 +199,9 @@ class Api:
         return ApiRunner(self.app(), **kwargs)
 
     def app(self) -> web.Application:
-        middlewares = [errors_as_json, guard_browsers(self.guard), redirect_trailing_slash]
+        middlewares = [errors_as_json, guard_browsers(self.guard)]
         middlewares += [require_api_key(self.api_key)] if self.api_key else []
+        middlewares += [redirect_trailing_slash]  # after the key: a 401 says nothing of which routes exist
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         app.on_response_prepare.append(add_cors_headers)
         app.on_cleanup.append(self._stop_tokenizing)
@@ -392,7 +395,8 @@ class Api:
             if reply.return_token_ids:
                 choice.update({"token_ids": ids} if chat else {"prompt_token_ids": state.prompt_token_ids, "token_ids": ids})
             scored = echo is not None and params.logprobs is not None and not chat  # completions' echo has logprobs
-            big = len(state.prompt_token_ids) + len(entries) > INLINE_LOGPROBS
+            asked = params.logprobs is not None or params.prompt_logprobs is not None
+            big = asked and len(state.prompt_token_ids) + len(entries) > INLINE_LOGPROBS
             await self._maybe_off_loop(big, self._fill_logprobs, reply, choice, state, entries, scored)
             if echo is not None and chat:
                 choice["message"]["content"] = echo + choice["message"]["content"]

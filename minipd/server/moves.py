@@ -73,6 +73,7 @@ class Mover:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         patience = min(timeout, seat_patience) if seat_patience is not None else timeout
+        started = loop.time()
         done, pending = await asyncio.wait(tasks, timeout=patience)
 
         def seatless() -> bool:  # every move left waits for room, not for a slow answer
@@ -87,8 +88,9 @@ class Mover:
         for task, state in zip(tasks, states):
             if task not in done:  # it goes on, past the caller's patience: counted, not dropped
                 key = state.placement.key if state.placement else ""
-                why = (f"waiting for a seat (no worker that can decode had room) after {patience:g} s"
-                       if key in self.asking else f"not over after {timeout:g} s")  # fmt: skip
+                waited = loop.time() - started
+                why = (f"waiting for a seat (no worker that can decode had room) after {waited:.1f} s"
+                       if key in self.asking else f"not over after {waited:.1f} s")  # fmt: skip
                 records.append(MoveRecord(state.request_id, key, -1, reason, time.time(), outcome="under_way",
                                           detail=f"{why}; its end is in the request's timeline"))  # fmt: skip
             elif not task.cancelled() and task.exception() is None:
@@ -131,8 +133,10 @@ class Mover:
             grant = await r.seats.ask(state, p.key, num_tokens, headroom, source, target_roles)
         finally:
             self.asking.discard(p.key)
-        if grant is None and (state.finished or state.placement is not p):
+        if grant is None and state.finished:
             return self._end(rec, "ended", "the request ended while its seat was on the way")
+        if grant is None and state.placement is not p:
+            return self._end(rec, "no_seat", "the request was placed anew (redone) while its seat was sought")
         if grant is None:
             return self._end(rec, "no_seat", "no worker that can decode had room (or a switch or a lost worker withdrew the ask)")
         reader, seat = grant
