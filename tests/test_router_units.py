@@ -67,6 +67,20 @@ async def sent(pool: FakePool, kind: type) -> list[tuple[int, object]]:
     return pool.taken(kind)
 
 
+async def a_reply_on_a_draining_worker() -> tuple[FakePool, Router, object]:
+    """One reply placed on worker 0 of two, which is then drained: any move of it asks worker 1 for a seat."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
+    await placed(router)
+    pool.workers[0].draining = True
+    return pool, router, state
+
+
+def seats_answered(router: Router, reader: int, ask, blocks: list[int] | None) -> None:
+    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, blocks] for key, *_ in ask.seats]))
+
+
 def test_tokens_from_two_workers_are_relayed_in_order():
     """Defect: the prefill worker's first token and the decode worker's next ones come through
     different sockets; read out of order, the reply was garbled (or lost its first token)."""
@@ -322,11 +336,7 @@ def test_preemptions_are_counted_in_metrics_as_vllm_counts_them():
 async def test_a_second_move_of_a_request_whose_move_is_asking_for_a_seat_says_it_is_under_way():
     """Defect (two drains of one worker at once): the second move of the same request asked for a
     second seat under the same key and answered, 5 s later, 'no worker that can decode had room'."""
-    pool = FakePool(["both", "both"])
-    router = serving_router(pool)
-    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
-    await placed(router)
-    pool.workers[0].draining = True
+    pool, router, state = await a_reply_on_a_draining_worker()
     first = asyncio.ensure_future(router.mover.move(state, "drain"))
     await sent(pool, m.ReserveSeats)
     second = await asyncio.wait_for(router.mover.move(state, "drain"), 1)
@@ -386,15 +396,11 @@ async def test_a_move_that_ends_after_its_request_finished_is_in_the_finished_ti
     """Defect: the timeline of a finished request is kept as it was when the request ended, and a
     move still waiting for its seat then ended after it: GET /v1/requests/{id}/timeline never
     showed that move, though /admin/events and the metrics counted it."""
-    pool = FakePool(["both", "both"])
-    router = serving_router(pool)
-    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
-    await placed(router)
-    pool.workers[0].draining = True
+    pool, router, state = await a_reply_on_a_draining_worker()
     move = asyncio.ensure_future(router.mover.move(state, "drain"))
     [(reader, ask)] = await sent(pool, m.ReserveSeats)
     router._end(state, finish_reason="stop")
-    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, [7]] for key, *_ in ask.seats]))
+    seats_answered(router, reader, ask, [7])
     record = await asyncio.wait_for(move, 1)
     assert (record.outcome, record.target) == ("ended", None), record  # not "no_seat": there was room
     assert [mv["outcome"] for mv in router.timeline("r")["moves"]] == ["ended"]
@@ -405,17 +411,13 @@ async def test_a_switch_does_not_wait_for_a_seat_that_no_worker_has_room_for():
     """Defect (a helper, 8 long replies, chunked -> disagg with one decode worker): a reply's move
     waited for a seat until the reply ended, 6.5-8.3 s, and the switch answered only then. Moves
     still asking for a seat after the switch's patience are reported under way; the switch answers."""
-    pool = FakePool(["both", "both"])
-    router = serving_router(pool)
-    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
-    await placed(router)
-    pool.workers[0].draining = True
+    pool, router, state = await a_reply_on_a_draining_worker()
     started = time.monotonic()
     moving = asyncio.ensure_future(router.mover.move_all([state], "switch", timeout=30.0, seat_patience=0.2))
     [(reader, ask)] = await sent(pool, m.ReserveSeats)
     await asyncio.sleep(0.5)  # a seat slow to come (no answer yet) is waited for
     assert not moving.done()
-    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, None] for key, *_ in ask.seats]))  # no room
+    seats_answered(router, reader, ask, None)  # no room
     records = await asyncio.wait_for(moving, 2.0)
     assert time.monotonic() - started < 2.5
     assert [x.outcome for x in records] == ["under_way"] and "seat" in records[0].detail
@@ -429,14 +431,10 @@ async def test_a_move_whose_request_was_redone_while_its_seat_was_sought_does_no
     sought a seat was recorded 'ended', 'the request ended', though it was still running."""
     from minipd.server.request_state import Placement
 
-    pool = FakePool(["both", "both"])
-    router = serving_router(pool)
-    state = router.submit("r", [1, 2], SamplingParams(max_tokens=30))
-    await placed(router)
-    pool.workers[0].draining = True
+    pool, router, state = await a_reply_on_a_draining_worker()
     move = asyncio.ensure_future(router.mover.move(state, "drain"))
     [(reader, ask)] = await sent(pool, m.ReserveSeats)
     state.placement = Placement(state.new_key())  # as a redo places it
-    router.on_message(m.SeatsReserved(ask.batch, reader, [[key, [7]] for key, *_ in ask.seats]))
+    seats_answered(router, reader, ask, [7])
     record = await asyncio.wait_for(move, 1)
     assert record.outcome == "no_seat" and "redone" in record.detail and not state.finished, record
