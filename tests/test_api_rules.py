@@ -1565,7 +1565,7 @@ async def test_a_long_prompt_scored_with_20_logprobs_does_not_hold_other_clients
         sent = []
 
         async def send(obj):  # as the stream's: each chunk encoded as it goes
-            sent.append(await sse_event(obj))
+            sent.append(sse_event(obj))
 
         gc.collect()
         gc.disable()

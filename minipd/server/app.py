@@ -57,9 +57,9 @@ def json_error(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status)
 
 
-async def sse_event(obj: dict | bytes) -> bytes:
-    """One server-sent event; a chunk with a whole prompt's logprobs is encoded a slice at a time."""
-    data = obj if isinstance(obj, bytes) else (await dumps_in_pieces(obj, ensure_ascii=False)).encode()
+def sse_event(obj: dict | bytes) -> bytes:
+    """One server-sent event (bytes: already encoded, as a chunk with a whole prompt's logprobs is)."""
+    data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
     return b"data: " + data + b"\n\n"
 
 
@@ -276,9 +276,7 @@ class Api:
 
     async def _off_loop(self, num_chars: int, fn, *args, pool: ThreadPoolExecutor | None = None):
         """Tokenizing a long text takes a while (about 2 s per MB): never on the event loop."""
-        if num_chars < INLINE_TOKENIZE_CHARS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(pool or self.tokenize_thread, fn, *args)
+        return await self._maybe_off_loop(num_chars >= INLINE_TOKENIZE_CHARS, fn, *args, pool=pool or self.tokenize_thread)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: a prompt, or chat messages, as the token ids the server would read."""
@@ -427,11 +425,12 @@ class Api:
         if params.prompt_logprobs is not None and not reply.chat:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(state.prompt_entries(), self._token_text)
 
-    async def _maybe_off_loop(self, big: bool, fn, *args):
-        """Logprobs of a few thousand tokens take a while to build (about 0.1 s per 4,000 tokens of 20)."""
+    async def _maybe_off_loop(self, big: bool, fn, *args, pool: ThreadPoolExecutor | None = None):
+        """fn in a thread when its work is big (by default the logprobs thread: a whole context's take
+        about 0.1 s per 4,000 tokens of 20), else here."""
         if not big:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.reply_thread, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool or self.reply_thread, fn, *args)
 
     def _token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
@@ -446,7 +445,7 @@ class Api:
         created = p.now()
 
         async def send(obj: dict | bytes) -> None:
-            await resp.write(await sse_event(obj))
+            await resp.write(sse_event(obj))
 
         def chunk(delta, finish_reason, index: int = 0):
             make = p.chat_chunk if reply.chat else p.completion_chunk
@@ -470,7 +469,7 @@ class Api:
 
         prompt_ids_sent = [False] * len(states)
 
-        async def send_chunk(obj: dict, index: int, token_ids: list[int] | None = None) -> None:
+        async def send_chunk(obj: dict, index: int, token_ids: list[int] | None = None, large: bool = False) -> None:
             if reply.return_token_ids:  # as vLLM: the prompt's ids in a choice's first chunk, each chunk's own ids
                 obj["choices"][0]["token_ids"] = token_ids or []
                 if not prompt_ids_sent[index]:
@@ -481,7 +480,7 @@ class Api:
             if writers[index] is not None and logprobs[index]:
                 obj["choices"][0]["logprobs"] = writers[index](logprobs[index])
                 logprobs[index].clear()
-            await send(obj)
+            await send((await dumps_in_pieces(obj, ensure_ascii=False)).encode() if large else obj)  # large: the prompt's
 
         if chat:
             for i in range(len(states)):
@@ -529,7 +528,7 @@ class Api:
             where = obj if chat else obj["choices"][0]
             where["prompt_logprobs"] = await self._maybe_off_loop(big, vllm_prompt_logprobs, state.prompt_entries(),
                                                                   self._token_text)  # fmt: skip
-        await send(obj)
+        await send(obj, large=True)
 
     # ---- the rest ----------------------------------------------------------------------
     def _model_card(self) -> dict:

@@ -71,9 +71,9 @@ class Mover:
         if not tasks:
             return []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        patience = min(timeout, seat_patience) if seat_patience is not None else timeout
         started = loop.time()
+        deadline = started + timeout
+        patience = min(timeout, seat_patience) if seat_patience is not None else timeout
         done, pending = await asyncio.wait(tasks, timeout=patience)
 
         def seatless() -> bool:  # every move left waits for room, not for a slow answer
