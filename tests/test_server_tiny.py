@@ -84,6 +84,44 @@ def test_modes_give_the_same_tokens_and_disagg_moves_the_prompts_kv(server):
     assert all(w["kv_blocks_used"] == 0 and w["kv_blocks_seated"] == 0 for w in workers)
 
 
+def test_a_disagg_request_that_ends_at_its_first_token_takes_no_decode_seat(server):
+    """max_tokens 1 and completions' echo-only scoring (lm-eval's loglikelihood) end on the prefill
+    worker: a decode seat would never be written into, and its release counted as a failed handoff."""
+
+    def counts():
+        out = {}
+        for fam in text_string_to_metric_families(server.get("/metrics")[1]):
+            for s in fam.samples:
+                if s.name in ("minipd:kv_handoffs_total", "minipd:seats_reserved_total", "minipd:disagg_placements_total"):
+                    key = (s.name, s.labels.get("outcome") or s.labels.get("path"))
+                    out[key] = out.get(key, 0) + s.value
+        return out
+
+    assert server.post("/admin/mode", {"mode": "disagg"})[0] == 200
+    try:
+        before = counts()
+        one = completion(server, [5, 17, 300, 42] * 3, max_tokens=1)
+        scored = completion(server, [6, 18, 301, 43] * 3, max_tokens=0, echo=True, logprobs=1)
+        two = completion(server, [5, 17, 300, 42] * 3, max_tokens=2, ignore_eos=True)
+        after = counts()
+        for reply in (one, scored):
+            t = server.get(f"/v1/requests/{reply['id']}/timeline")[1]
+            assert t["path"] == "prefill_only" and t["prefill_worker"] == 0
+            assert "seat_reserved" not in t["events"] and t["kv_transfer"]["bytes"] == 0
+        assert scored["usage"]["completion_tokens"] == 0 and one["usage"]["completion_tokens"] == 1
+        t = server.get(f"/v1/requests/{two['id']}/timeline")[1]
+        assert t["path"] == "remote" and t["kv_transfer"]["bytes"] > 0
+        grown = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        assert grown == {("minipd:seats_reserved_total", None): 1, ("minipd:kv_handoffs_total", "imported"): 1,
+                         ("minipd:disagg_placements_total", "remote"): 1,
+                         ("minipd:disagg_placements_total", "prefill_only"): 2}, grown  # no seat_failed
+    finally:
+        assert server.post("/admin/mode", {"mode": "colocated"})[0] == 200
+    workers = wait_for_idle_workers(server, 10)
+    assert all(w["kv_blocks_used"] == 0 and w["kv_blocks_seated"] == 0 for w in workers)
+    assert one["choices"][0]["text"] == completion(server, [5, 17, 300, 42] * 3, max_tokens=1)["choices"][0]["text"]
+
+
 def test_bfloat16_disagg_moves_bfloat16_kv_and_gives_colocated_tokens():
     with serving("--model", "tiny-random", "--workers", "2", "--threads-per-worker", "1", "--dtype", "bfloat16") as s:
         prompts = [[5 + i, 17, 300 + i, 42] * (i + 1) for i in range(3)]

@@ -175,6 +175,18 @@ def test_local_prefill_keeps_short_prompts_on_the_decode_worker():
     assert records[1].server_timeline["kv_transfer"]["bytes"] == 500 * KV_PER_TOKEN
 
 
+def test_a_request_that_ends_at_its_first_token_stays_on_the_prefill_worker_as_the_router_places_it():
+    reqs = [BenchRequest(0, 300, 1, 0.0), BenchRequest(1, 300, 2, 0.0)]
+    records, sim = simulate(profile(), reqs, Mode("disagg"), 2)
+    assert [r.server_timeline["path"] for r in records] == ["prefill_only", "remote"]
+    assert records[0].server_timeline["kv_transfer"]["bytes"] == 0 and records[0].error is None
+    assert records[1].server_timeline["kv_transfer"]["bytes"] == 300 * KV_PER_TOKEN
+    assert sim.workers[1].steps == 1  # the one decode step of the second request
+    for w in sim.workers:
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0 and w.blocks.num_booked == 0 and not w.scheduler.handoffs
+
+
 def test_seats_are_backpressure_and_first_come_first_seated():
     """A decode worker with room for one request at a time: the others wait for a seat, and are
     prefilled in order of arrival, never before their seat exists."""

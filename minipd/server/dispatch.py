@@ -42,8 +42,9 @@ class Dispatcher:
             r.fail(state, f"could not place the request: {err}")
 
     async def _colocated(self, state: RequestState, role: str = "both") -> bool:
-        """The whole request on one worker: of the role `both`, or in disagg a prompt under
-        local_prefill_tokens on a decode worker, which reads it itself (no handoff to pay for)."""
+        """The whole request on one worker: of the role `both`; in disagg a prompt under
+        local_prefill_tokens on a decode worker, which reads it itself (no handoff to pay for), or
+        a request that ends at its first token on a prefill worker (no decode seat to hold)."""
         r = self.router
         w = await self._pick(state, role)
         if w is None:
@@ -52,12 +53,16 @@ class Dispatcher:
         if role == "decode":
             state.decode_worker = w.worker_id
             self._path(state, "local", w.worker_id)
+        elif role == "prefill":
+            self._path(state, "prefill_only", w.worker_id)
         return self._send_request(state, p)
 
     async def _disagg(self, state: RequestState) -> bool:
         r = self.router
         if state.local_only or len(state.prompt_token_ids) + len(state.output_token_ids) < r.mode.local_prefill_tokens:
             return await self._colocated(state, "decode")
+        if state.ends_at_its_next_token():  # max_tokens 1, echo-only scoring: nothing for a decode worker to do
+            return await self._colocated(state, "prefill")
         writer = await self._pick(state, "prefill")
         if writer is None or await self._pick(state, "decode") is None:
             return False

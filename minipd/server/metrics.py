@@ -52,8 +52,9 @@ class Metrics:
                              ["reason", "outcome"])  # fmt: skip
         self.move_bytes = counter("minipd:request_move_bytes", "KV bytes of the replies moved between workers.")
         self.placements = counter("minipd:disagg_placements",
-                                  "Disaggregated requests by path: remote (prefilled on a prefill worker) or local "
-                                  "(prompt under local_prefill_tokens, prefilled by its decode worker).", ["path"])  # fmt: skip
+                                  "Disaggregated requests by path: remote (prefilled on a prefill worker), local "
+                                  "(prompt under local_prefill_tokens, prefilled by its decode worker) or "
+                                  "prefill_only (it ends at its first token, on the prefill worker).", ["path"])  # fmt: skip
         self.worker_restarts = counter("minipd:worker_restarts", "Workers restarted after they died.", ["worker"])
         self.worker_gc_longest = gauge("minipd:worker_gc_longest_full_collection_seconds",
                                        "The longest full garbage collection of the worker (it stops the worker's "

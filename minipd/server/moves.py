@@ -57,10 +57,12 @@ class Mover:
         return p.worker
 
     def misplaced(self) -> list:
-        """Requests whose worker cannot decode in the current mode (or is being drained)."""
+        """Requests whose worker cannot decode in the current mode (or is being drained), other than
+        those that end at their next token (nothing would be left to decode where they went)."""
         workers = self.router.pool.workers
         return [s for s in self.router.requests.values()
-                if (w := self.settled_on(s)) is not None and not self.can_decode(workers[w])]  # fmt: skip
+                if (w := self.settled_on(s)) is not None and not self.can_decode(workers[w])
+                and not s.ends_at_its_next_token()]  # fmt: skip
 
     async def move_all(self, states: list, reason: str, timeout: float,
                        seat_patience: float | None = None) -> list[MoveRecord]:  # fmt: skip

@@ -55,7 +55,8 @@ class RequestState:
     attempt: int = 0
     redos: list[dict] = field(default_factory=list)  # {"time", "cause", "tokens_done"} per redo
     moves: list[dict] = field(default_factory=list)  # moves.MoveRecord fields, per move tried
-    path: str | None = None  # disagg: "remote" (a prefill worker's) or "local" (its decode worker's own prefill)
+    path: str | None = None  # disagg: "remote" (a prefill worker's, then a handoff), "local" (its decode worker's
+    #   own prefill) or "prefill_only" (it ends at its first token, on the prefill worker)
     local_only: bool = False  # its KV failed to cross once: redone, it is read where it decodes
     finished: bool = False
     finish_reason: str | None = None
@@ -72,6 +73,10 @@ class RequestState:
     def prompt_entries(self) -> list:
         """prompt_logprobs as received, or each a None (a reply that ended before its first token)."""
         return self.prompt_logprobs if self.prompt_logprobs is not None else [None] * len(self.prompt_token_ids)
+
+    def ends_at_its_next_token(self) -> bool:
+        """max_tokens 1, echo-only scoring, a redo one token short: nothing is left to decode after it."""
+        return self.params.max_tokens - len(self.output_token_ids) <= 1
 
     def new_key(self) -> str:
         self.attempt += 1

@@ -404,13 +404,16 @@ class Simulation:
         self.at(self.now + self.profile.host.dispatch_s, self._place, sr)
 
     def _place(self, sr: SimRequest) -> None:
-        if self.mode.name != "disagg" or sr.req.prompt_len < self.mode.local_prefill_tokens:
+        if self.mode.name != "disagg" or sr.req.prompt_len < self.mode.local_prefill_tokens or sr.req.output_len <= 1:
             sr.events["dispatched"] = self.now  # else once its seat is granted, as the router does
         if self.mode.name != "disagg":
             self._send(sr, self._pick("both"), hand_off=None)
         elif sr.req.prompt_len < self.mode.local_prefill_tokens:
             sr.path = "local"
             self._send(sr, self._pick("decode"), hand_off=None)
+        elif sr.req.output_len <= 1:  # it ends at its first token: no seat, as dispatch does
+            sr.path = "prefill_only"
+            self._send(sr, self._pick("prefill"), hand_off=False)
         elif blocks_for(sr.req.prompt_len + 1, self.profile.worker.block_size) > self.profile.worker.num_blocks:
             sr.record.error = (f"the prompt ({sr.req.prompt_len} tokens) does not fit in any decode worker's KV "
                                "cache")  # as dispatch refuses it, before it can hold up the seat queue  # fmt: skip

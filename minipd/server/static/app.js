@@ -749,7 +749,9 @@ function updateCard(st) {
   const pEnd = (tl && tl.events.prefill_end) || req.prefill_end;
   if (st.kind === "long" && pStart && pEnd) rows.push(["prefill", `${fmtS(pEnd - pStart)} (waited ${fmtS(pStart - st.sent)} for it)`]);
   const placed = (tl && tl.path) || req.path;
-  if (placed) rows.push(["path", placed === "local" ? "local: its decode worker read the prompt" : "remote: KV handoff"]);
+  const paths = {local: "local: its decode worker read the prompt", remote: "remote: KV handoff",
+    prefill_only: "prefill only: it ended at its first token, no decode seat"};
+  if (placed) rows.push(["path", paths[placed] || placed]);
   for (const m of moves) {
     const when = S.t0 ? ` at +${((m.end ?? m.start) - S.t0).toFixed(1)} s` : "";
     const what = m.outcome === undefined ? "moving…" : m.outcome !== "moved" ? `not moved (${m.outcome})`
