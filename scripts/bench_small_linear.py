@@ -68,8 +68,10 @@ def main() -> None:
         then = kernels_of_revision(args.against)  # torch.ops.minipd_then
         ways[f"minipd@{args.against}"] = lambda x, w: then.small_linear(x, w, None)
     ways |= {"minipd blocked": lambda x, w: torch.ops.minipd.blocked_linear(x, blocked[id(w)], None)}
-    if args.against:  # the blocks' layout (blocked_weight) is taken as the same in both
-        ways[f"blocked@{args.against}"] = lambda x, w: then.blocked_linear(x, blocked[id(w)], None)
+    if args.against:  # the same copy where both revisions lay the blocks out alike (a second copy's pages read at another speed)
+        same = all(torch.equal(then.blocked_weight(w[:, :64]), torch.ops.minipd.blocked_weight(w[:, :64])) for w in weights[:4])
+        blocked_then = blocked if same else {id(w): then.blocked_weight(w) for w in weights}
+        ways[f"blocked@{args.against}"] = lambda x, w: then.blocked_linear(x, blocked_then[id(w)], None)
     ways |= {
         "F.linear": torch.nn.functional.linear,
         "oneDNN": lambda x, w: onednn(x, w, None, "none", [], ""),

@@ -24,29 +24,39 @@ constexpr int NV = 2;                                   // weight vectors per bl
 constexpr int NB = NV * Vec::L;                         // output columns per block
 constexpr int MB = Vec::REGISTERS >= 32 ? 8 : 6;        // rows at a time: MB x NV sums, NV weights, one x
 constexpr int64_t ROWS_PER_PASS = 128;                  // x's rows met by one pass over w (kept in L2)
-// k steps ahead whose weights a block<M> of 3 or more rows asks into L2 (prefetcht1: 2 KB, 32 lines on
-// AVX2). On the Zen 3 AVX2 EPYC (scripts/bench_small_linear.py --against) 4-16 rows read 1.1-1.35x
-// faster with it (6 rows at 86-92% of the read stream), 1-2 rows 0.8x (the hardware's prefetcher alone
-// keeps up there). Not measured with AVX-512 or NEON: off there (and in the scalar build).
-constexpr int64_t AHEAD = Vec::L == 8 && Vec::REGISTERS == 16 ? 32 : 0;  // AVX2
+// A group of rows asks AHEAD k steps into its block (2 KB, 32 lines; past its end, into the next
+// block), so a lone group streams from memory without a pause. Where a pass meets 7-10 rows in two
+// groups (on AVX2), the second group read its block again from L2 while memory sat idle: there each
+// group asks half of the NEXT block instead (NEXT), spread over its k steps, so memory streams while
+// the rows are multiplied. On the Zen 3 AVX2 EPYC (scripts/bench_small_linear.py --against, the same
+// weights) 8 rows read 1.17-1.23x faster with it and 10 rows 1.12-1.22x; at 11-12 rows (groups of 6,
+// bound by arithmetic) it was 0.86x, so they, and three groups or more, ask AHEAD as before. 1-2 rows
+// ask for nothing (the hardware's prefetcher alone keeps up there). Not measured with AVX-512 or NEON:
+// off there (and in the scalar build).
+constexpr bool ASK_AHEAD = Vec::L == 8 && Vec::REGISTERS == 16;  // AVX2
+constexpr int64_t AHEAD = 32;
 
-template <typename W>
-inline void ask_ahead(const W* wb, int64_t k) {
-  if constexpr (AHEAD > 0) {
-    const char* p = reinterpret_cast<const char*>(wb + (k + AHEAD) * NB);
-    for (int64_t i = 0; i < static_cast<int64_t>(NB * sizeof(W)); i += 64) minipd_vec::prefetch_l2(p + i);
-  }
-}
+struct Ahead {
+  const char* next = nullptr;  // this group's share of the next block (NEXT)
+  uint64_t rate = 0;           // lines of it asked for per k step, in 1/65,536ths (the same line again between)
+};
 
 // W: float, or bfloat16's bits (uint16_t) widened exactly in registers where the CPU has no bfloat16
 // product instruction (x and y in float32 then; blocked_linear converts them)
-template <int M, typename W>
-void block(const float* x, int64_t K, const W* wb, const float* bias, float* y, int64_t N) {
+template <int M, bool NEXT, typename W>
+void block(const float* x, int64_t K, const W* wb, const float* bias, float* y, int64_t N, Ahead ahead) {
   Vec acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
-    if constexpr (M >= 3) ask_ahead(wb, k);
+    if constexpr (ASK_AHEAD && M >= 3) {
+      if constexpr (NEXT) {
+        minipd_vec::prefetch_l2(ahead.next + ((k * ahead.rate) >> 16) * 64);
+      } else {
+        const char* p = reinterpret_cast<const char*>(wb + (k + AHEAD) * NB);
+        for (int64_t i = 0; i < static_cast<int64_t>(NB * sizeof(W)); i += 64) minipd_vec::prefetch_l2(p + i);
+      }
+    }
     Vec w[NV];
     for (int v = 0; v < NV; ++v) w[v] = Vec::load(wb + k * NB + v * Vec::L);
     for (int m = 0; m < M; ++m) {
@@ -66,8 +76,8 @@ void block(const float* x, int64_t K, const W* wb, const float* bias, float* y, 
 // 32 products where a float32 FMA makes 16, from half the bytes.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIPD_BLOCKED_BF16 1
-template <int M, typename W>
-void block(const uint16_t* x, int64_t K, const W* wb, const float* bias, uint16_t* y, int64_t N) {
+template <int M, bool NEXT, typename W>
+void block(const uint16_t* x, int64_t K, const W* wb, const float* bias, uint16_t* y, int64_t N, Ahead) {
   __m512 acc[M][NV];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
@@ -94,11 +104,11 @@ void block(const uint16_t* x, int64_t K, const W* wb, const float* bias, uint16_
 #endif
 
 // block<M> for the `left` (1 to M) rows that remain
-template <int M, typename T, typename W>
-void rows_left(int left, const T* x, int64_t K, const W* wb, const float* bias, T* y, int64_t N) {
+template <int M, bool NEXT, typename T, typename W>
+void rows_left(int left, const T* x, int64_t K, const W* wb, const float* bias, T* y, int64_t N, Ahead ahead) {
   if constexpr (M > 0) {
-    if (left == M) return block<M>(x, K, wb, bias, y, N);
-    rows_left<M - 1>(left, x, K, wb, bias, y, N);
+    if (left == M) return block<M, NEXT>(x, K, wb, bias, y, N, ahead);
+    rows_left<M - 1, NEXT>(left, x, K, wb, bias, y, N, ahead);
   }
 }
 
@@ -115,9 +125,16 @@ void blocks(const T* x, int64_t M, int64_t K, const W* w, const float* bias, T* 
       // the rows in as few groups as MB allows, of even size (each sum's order along k is the same
       // either way): 16 rows on AVX2 as 6 + 5 + 5, not 6 + 6 + 4 (measured faster)
       const int64_t groups = (m1 - m0 + MB - 1) / MB;
+      const int64_t lines = K * NB * static_cast<int64_t>(sizeof(W)) / 64;  // of a block
+      const int64_t askers = b + 1 < b1 && groups == 2 && m1 - m0 <= 10 ? 2 : 0;  // NEXT: they ask for the next block
+      const int64_t share = askers ? (lines + askers - 1) / askers : 0;     // its lines asked for by each
       for (int64_t g = 0, m = m0; g < groups; ++g) {
         const int64_t take = (m1 - m + (groups - g) - 1) / (groups - g);
-        rows_left<MB>(static_cast<int>(take), x + m * K, K, wb, bb, y + m * N + b * NB, N);
+        const Ahead ahead{reinterpret_cast<const char*>(wb + K * NB) + g * share * 64, uint64_t(share << 16) / K};
+        if (g < askers)
+          rows_left<MB, true>(static_cast<int>(take), x + m * K, K, wb, bb, y + m * N + b * NB, N, ahead);
+        else
+          rows_left<MB, false>(static_cast<int>(take), x + m * K, K, wb, bb, y + m * N + b * NB, N, ahead);
         m += take;
       }
     }
