@@ -30,11 +30,13 @@ constexpr int64_t ROWS_PER_PASS = 128;                  // x's rows met by one p
 // group asks half of the NEXT block instead (NEXT), spread over its k steps, so memory streams while
 // the rows are multiplied. On the Zen 3 AVX2 EPYC (scripts/bench_small_linear.py --against, the same
 // weights) 8 rows read 1.17-1.23x faster with it and 10 rows 1.12-1.22x; at 11-12 rows (groups of 6,
-// bound by arithmetic) it was 0.86x, so they, and three groups or more, ask AHEAD as before. 1-2 rows
+// bound by arithmetic) it was 0.86x, so they, and three groups or more, ask AHEAD as before, as do
+// blocks past MAX_NEXT_LINES (two of them must sit in L2 beside x; not measured). 1-2 rows
 // ask for nothing (the hardware's prefetcher alone keeps up there). Not measured with AVX-512 or NEON:
 // off there (and in the scalar build).
 constexpr bool ASK_AHEAD = Vec::L == 8 && Vec::REGISTERS == 16;  // AVX2
 constexpr int64_t AHEAD = 32;
+constexpr int64_t MAX_NEXT_LINES = 2048;  // NEXT only for blocks up to 128 KB (measured to 96 KB; Zen 3's L2: 512 KB)
 
 struct Ahead {
   const char* next = nullptr;  // this group's share of the next block (NEXT)
@@ -126,15 +128,13 @@ void blocks(const T* x, int64_t M, int64_t K, const W* w, const float* bias, T* 
       // either way): 16 rows on AVX2 as 6 + 5 + 5, not 6 + 6 + 4 (measured faster)
       const int64_t groups = (m1 - m0 + MB - 1) / MB;
       const int64_t lines = K * NB * static_cast<int64_t>(sizeof(W)) / 64;  // of a block
-      const int64_t askers = b + 1 < b1 && groups == 2 && m1 - m0 <= 10 ? 2 : 0;  // NEXT: they ask for the next block
-      const int64_t share = askers ? (lines + askers - 1) / askers : 0;     // its lines asked for by each
+      const bool next = b + 1 < b1 && groups == 2 && m1 - m0 <= 10 && K > 0 && lines <= MAX_NEXT_LINES;  // NEXT
+      const int64_t share = next ? (lines + 1) / 2 : 0;  // the next block's lines asked for by each group
       for (int64_t g = 0, m = m0; g < groups; ++g) {
         const int64_t take = (m1 - m + (groups - g) - 1) / (groups - g);
-        const Ahead ahead{reinterpret_cast<const char*>(wb + K * NB) + g * share * 64, uint64_t(share << 16) / K};
-        if (g < askers)
-          rows_left<MB, true>(static_cast<int>(take), x + m * K, K, wb, bb, y + m * N + b * NB, N, ahead);
-        else
-          rows_left<MB, false>(static_cast<int>(take), x + m * K, K, wb, bb, y + m * N + b * NB, N, ahead);
+        const Ahead ahead{reinterpret_cast<const char*>(wb + K * NB) + g * share * 64, next ? uint64_t(share << 16) / K : 0};
+        auto rows = next ? rows_left<MB, true, T, W> : rows_left<MB, false, T, W>;
+        rows(static_cast<int>(take), x + m * K, K, wb, bb, y + m * N + b * NB, N, ahead);
         m += take;
       }
     }
