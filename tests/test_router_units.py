@@ -319,6 +319,44 @@ async def test_a_reply_whose_move_failed_is_redone_on_a_decode_worker_not_across
     assert worker == 1 and add.reader is None and add.output_token_ids == [5, 6] and state.path == "local"
 
 
+@pytest.mark.asyncio
+async def test_a_reply_with_one_token_left_is_not_moved_off_a_worker_that_can_no_longer_decode():
+    """It ends at its next token where it is: a seat and a KV transfer elsewhere would make nothing."""
+    pool = FakePool(["both", "both"])
+    router = serving_router(pool)
+    long = router.submit("long", [1, 2], SamplingParams(max_tokens=30))
+    last = router.submit("last", [1, 2], SamplingParams(max_tokens=3))
+    await placed(router)
+    last.output_token_ids = [5, 6]
+    for w in pool.workers:
+        w.role = "prefill"  # a switch (or a drain) left neither able to decode
+    assert router.mover.misplaced() == [long]
+    pool.workers[1].role = "decode"  # a handoff whose reader's role changed while the KV crossed
+    router.mode = Mode("disagg")
+    one = router.requests["one"] = RequestState("one", [1, 2], SamplingParams(max_tokens=2), None)
+    one.output_token_ids = [7]
+    router.assign(one, Placement("one.1", worker=1, reader=0, dispatched=True))
+    pool.taken(m.ReserveSeats)
+    router.on_message(m.Event("one.1", 0, "transfer_end", 1.0, {"bytes": 10, "seconds": 0.1}))
+    assert await sent(pool, m.ReserveSeats) == [] and one.moves == []
+
+
+@pytest.mark.asyncio
+async def test_a_redo_one_token_short_runs_on_a_prefill_worker_alone_and_says_so():
+    pool = FakePool(["prefill", "decode"])
+    router = serving_router(pool)
+    router.mode = Mode("disagg")
+    state = router.requests["r"] = RequestState("r", [1, 2, 3], SamplingParams(max_tokens=3), None)
+    router.assign(state, Placement("r.1", worker=0, reader=1, dispatched=True))
+    router.on_message(m.Event("r.1", 1, "transfer_end", 1.0, {"bytes": 10, "seconds": 0.1}))
+    state.output_token_ids = [5, 6]
+    router.on_worker_lost(1, "killed")
+    [(worker, add)] = await sent(pool, m.AddRequest)
+    assert worker == 0 and add.reader is None and add.seat is None and add.output_token_ids == [5, 6]
+    assert state.path == "prefill_only" and state.prefill_worker == state.decode_worker == 0
+    assert await sent(pool, m.ReserveSeats) == []
+
+
 def test_preemptions_are_counted_in_metrics_as_vllm_counts_them():
     """A decode worker preempting 40 times per reply showed it only in /admin/workers: /metrics had no
     num_preemptions (vLLM's vllm:num_preemptions_total). A restarted worker counts from 0 again."""

@@ -182,6 +182,12 @@ def test_a_request_that_ends_at_its_first_token_stays_on_the_prefill_worker_as_t
     assert records[0].server_timeline["kv_transfer"]["bytes"] == 0 and records[0].error is None
     assert records[1].server_timeline["kv_transfer"]["bytes"] == 300 * KV_PER_TOKEN
     assert sim.workers[1].steps == 1  # the one decode step of the second request
+    capped = [BenchRequest(0, 300, 1, 0.0, max_tokens=64)]  # it stopped at its first token, but might not have
+    records, sim = simulate(profile(), capped, Mode("disagg"), 2)
+    assert records[0].server_timeline["path"] == "remote" and records[0].error is None
+    for w in sim.workers:  # its seat was given back
+        w.blocks.check_integrity()
+        assert w.blocks.num_used == 0 and w.blocks.num_booked == 0
     for w in sim.workers:
         w.blocks.check_integrity()
         assert w.blocks.num_used == 0 and w.blocks.num_booked == 0 and not w.scheduler.handoffs

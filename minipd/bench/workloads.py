@@ -65,6 +65,7 @@ class BenchRequest:
     output_len: int
     arrival: float  # seconds after the run's start
     phase: int = 0  # the phases workload: the index of the phase the request belongs to (PHASES)
+    max_tokens: int | None = None  # the client's cap where the reply ends before it (the advisor's replay), else None
 
 
 @dataclass(frozen=True, slots=True)

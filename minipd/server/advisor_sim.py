@@ -65,7 +65,7 @@ def replay(profile: Profile, arrivals: list[Arrival], mode: Mode, num_workers: i
     t0 = arrivals[0].time
     done = sorted(a.output_tokens for a in arrivals if a.output_tokens is not None)
     fill = reply_fill(arrivals)
-    requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, done, fill), a.time - t0)
+    requests = [BenchRequest(i, a.prompt_tokens, _reply_tokens(a, done, fill), a.time - t0, max_tokens=a.max_tokens)
                 for i, a in enumerate(arrivals)]  # fmt: skip
     records, _ = simulate(profile, requests, mode, num_workers, Options(transport=transport, seed=0))
     scored = [r for r, a in zip(records, arrivals) if a.time >= since]

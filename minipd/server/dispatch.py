@@ -50,11 +50,9 @@ class Dispatcher:
         if w is None:
             return False
         p = r.assign(state, Placement(state.new_key(), worker=w.worker_id))
-        if role == "decode":
+        if role != "both":  # (disagg) it makes all its tokens there
             state.decode_worker = w.worker_id
-            self._path(state, "local", w.worker_id)
-        elif role == "prefill":
-            self._path(state, "prefill_only", w.worker_id)
+            self._path(state, "local" if role == "decode" else "prefill_only", w.worker_id)
         return self._send_request(state, p)
 
     async def _disagg(self, state: RequestState) -> bool:
@@ -137,7 +135,7 @@ class Dispatcher:
 
     def _headroom(self, state: RequestState, num_tokens: int) -> int:
         """Tokens booked in the seat for the reply still to come, so decoding never preempts."""
-        left = state.params.max_tokens - len(state.output_token_ids)
+        left = state.tokens_left()
         decoders = self.router.pool.with_role("decode")
         capacity = max(w.info.num_blocks * w.info.block_size for w in decoders) if decoders else 0
         return max(0, min(self.decode_headroom_tokens, left, capacity - num_tokens - 1))

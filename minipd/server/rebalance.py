@@ -77,9 +77,9 @@ class Rebalancer:
         if hi - lo < self.min_gap or hi <= self.ratio * lo:
             return crowded, emptiest, []
         decoding_there = [s for s in settled[crowded] if s.output_token_ids  # one reading its prompt stays
-                          and s.params.max_tokens - len(s.output_token_ids) >= self.min_tokens_left
+                          and s.tokens_left() >= self.min_tokens_left
                           and not any(mv["reason"] == "rebalance" for mv in s.moves)]  # moved once: no ping-pong  # fmt: skip
-        to_make = sorted(decoding_there, key=lambda s: len(s.output_token_ids) - s.params.max_tokens)
+        to_make = sorted(decoding_there, key=lambda s: -s.tokens_left())
         return crowded, emptiest, to_make[: (hi - lo) // 2]
 
     async def once(self) -> list:

@@ -74,9 +74,12 @@ class RequestState:
         """prompt_logprobs as received, or each a None (a reply that ended before its first token)."""
         return self.prompt_logprobs if self.prompt_logprobs is not None else [None] * len(self.prompt_token_ids)
 
+    def tokens_left(self) -> int:
+        return self.params.max_tokens - len(self.output_token_ids)
+
     def ends_at_its_next_token(self) -> bool:
         """max_tokens 1, echo-only scoring, a redo one token short: nothing is left to decode after it."""
-        return self.params.max_tokens - len(self.output_token_ids) <= 1
+        return self.tokens_left() <= 1
 
     def new_key(self) -> str:
         self.attempt += 1

@@ -404,14 +404,12 @@ class Simulation:
         self.at(self.now + self.profile.host.dispatch_s, self._place, sr)
 
     def _place(self, sr: SimRequest) -> None:
-        if self.mode.name != "disagg" or sr.req.prompt_len < self.mode.local_prefill_tokens or sr.req.output_len <= 1:
-            sr.events["dispatched"] = self.now  # else once its seat is granted, as the router does
         if self.mode.name != "disagg":
             self._send(sr, self._pick("both"), hand_off=None)
         elif sr.req.prompt_len < self.mode.local_prefill_tokens:
             sr.path = "local"
             self._send(sr, self._pick("decode"), hand_off=None)
-        elif sr.req.output_len <= 1:  # it ends at its first token: no seat, as dispatch does
+        elif (sr.req.max_tokens or sr.req.output_len) <= 1:  # its cap ends it at its first token: no seat, as dispatch
             sr.path = "prefill_only"
             self._send(sr, self._pick("prefill"), hand_off=False)
         elif blocks_for(sr.req.prompt_len + 1, self.profile.worker.block_size) > self.profile.worker.num_blocks:
@@ -436,6 +434,8 @@ class Simulation:
         return w
 
     def _send(self, sr: SimRequest, w: SimWorker, hand_off: bool | None) -> None:
+        """The whole request to one worker (a remote one goes once its seat is granted: _seated)."""
+        sr.events["dispatched"] = self.now
         if sr.worker != w.id:
             self._load(w, 1)
         sr.worker = w.id
@@ -452,11 +452,14 @@ class Simulation:
             sr.record.error = str(err)
             self._load(w, -1)
             if hand_off and sr.reader is not None:  # its seat goes back, as the writer's cancel frees it
-                reader = self.workers[sr.reader]
-                reader.sync()
-                reader.blocks.release_seat(sr.key)
-                self._load(reader, -1)
-                self._pump_seats()
+                self._give_back_seat(sr)
+
+    def _give_back_seat(self, sr: SimRequest) -> None:
+        reader = self.workers[sr.reader]
+        reader.sync()
+        reader.blocks.release_seat(sr.key)
+        self._load(reader, -1)
+        self._pump_seats()
 
     def _pump_seats(self) -> None:
         """First come, first seated: a seat on the least loaded decode worker with room."""
@@ -526,7 +529,9 @@ class Simulation:
         sr.record.end_time = sr.record.token_times[-1] if sr.record.token_times else self.now
         sr.record.server_timeline = {"request_id": sr.key[:-2], "arrival": sr.record.send_time, "path": sr.path,
                                      "events": sr.events, "kv_transfer": {"bytes": sr.kv_bytes, "seconds": sr.kv_seconds}}  # fmt: skip
-        if w.role == "decode":
+        if sr.reader is not None and w.id != sr.reader:  # it ended on its writer (its first token): as the router's Abort
+            self._give_back_seat(sr)
+        elif w.role == "decode":
             self._pump_seats()
 
 
