@@ -334,10 +334,9 @@ async def test_a_reply_with_one_token_left_is_not_moved_off_a_worker_that_can_no
     pool.workers[1].role = "decode"  # a handoff whose reader's role changed while the KV crossed
     router.mode = Mode("disagg")
     one = router.requests["one"] = RequestState("one", [1, 2], SamplingParams(max_tokens=2), None)
-    one.output_token_ids = [7]
     router.assign(one, Placement("one.1", worker=1, reader=0, dispatched=True))
-    pool.taken(m.ReserveSeats)
-    router.on_message(m.Event("one.1", 0, "transfer_end", 1.0, {"bytes": 10, "seconds": 0.1}))
+    pool.taken(m.ReserveSeats)  # its first token, made by the prefill worker, has not come through yet:
+    router.on_message(m.Event("one.1", 0, "transfer_end", 1.0, {"bytes": 10, "seconds": 0.1, "tokens": 3}))
     assert await sent(pool, m.ReserveSeats) == [] and one.moves == []
 
 

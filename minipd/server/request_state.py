@@ -74,12 +74,15 @@ class RequestState:
         """prompt_logprobs as received, or each a None (a reply that ended before its first token)."""
         return self.prompt_logprobs if self.prompt_logprobs is not None else [None] * len(self.prompt_token_ids)
 
-    def tokens_left(self) -> int:
-        return self.params.max_tokens - len(self.output_token_ids)
+    def tokens_left(self, sequence_length: int = 0) -> int:
+        """sequence_length: prompt and tokens as a worker reported them (its newest tokens may still
+        be on their way here)."""
+        made = max(len(self.output_token_ids), sequence_length - len(self.prompt_token_ids))
+        return self.params.max_tokens - made
 
-    def ends_at_its_next_token(self) -> bool:
+    def ends_at_its_next_token(self, sequence_length: int = 0) -> bool:
         """max_tokens 1, echo-only scoring, a redo one token short: nothing is left to decode after it."""
-        return self.tokens_left() <= 1
+        return self.tokens_left(sequence_length) <= 1
 
     def new_key(self) -> str:
         self.attempt += 1

@@ -239,8 +239,8 @@ class Router:
         p.worker, p.reader, p.first_token_at = msg.worker_id, None, None
         state.decode_worker = msg.worker_id
         self.mover.arrived(p.key, msg.data)
-        if not self.mover.can_decode(self.pool.workers[msg.worker_id]) and not state.ends_at_its_next_token():
-            # its reader's role changed meanwhile
+        if not self.mover.can_decode(self.pool.workers[msg.worker_id]) and not state.ends_at_its_next_token(
+                msg.data.get("tokens", 0)):  # its reader's role changed meanwhile (the first token may still be on its way)
             self.spawn(self.mover.move(state, "switch"))
 
     def _count_handoff(self, msg: m.Event) -> None:
