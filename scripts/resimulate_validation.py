@@ -35,7 +35,8 @@ DURATIONS = {"chat-1": 60, "summarize-0.15": 120, "summarize-0.3": 120, "generat
              "chat-3-avx512-2026-12-05-cokind": 60, "summarize-0.35-avx512-2026-12-05": 120,
              "chat-2.5-avx512-2026-12-05": 60, "chat-2.5-avx512-2026-12-05-spread": 60,
              "mixed-1-avx512-2026-12-05": 90, "summarize-0.3-avx512-2026-12-05": 120,
-             "mixed-1.25-avx512-2026-12-05": 90}  # the runs' --duration
+             "mixed-1.25-avx512-2026-12-05": 90, "chat-1.5-zen3-avx2-2026-12-07": 60,
+             "chat-2-zen5-avx512-2026-12-08": 60}  # the runs' --duration
 METRICS = ("TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "ITL p50", "ITL p90", "throughput (out tok/s)")
 REFIT_NOTE = ", the step model fitted again on each profile's steps"
 GRADED = (*METRICS, "throughput (req/s)")  # the eight figures graded (the table shows out tok/s for both)
