@@ -103,7 +103,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 // alone has X = D / L, 4 at D 64 on AVX-512, too few to hide an FMA's latency). Each sum adds the
 // positions in the same order as one head alone would (the same bits). On a Zen 5 EPYC with AVX-512
 // (docs/figures/decode_attention_values_zen5_avx512.txt): hot 1.07-1.38x, from memory float32 the
-// same and bfloat16 1.07-1.10x. AVX2 and NEON keep one head at a time (their X sums fill the share).
+// same and bfloat16 1.07-1.10x, at head_dim 64 (128 is tested, not timed). AVX2 and NEON keep one
+// head at a time (their X sums fill the share).
 template <int H, int X, typename E>
 void add_values(float* acc, int64_t D, const float* sc, int64_t Lp, const E* v, const int64_t* slot, int64_t n,
                 int64_t row) {
